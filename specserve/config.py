@@ -1,0 +1,178 @@
+"""Engine configuration: one dataclass per part, validated on construction.
+
+`EngineArgs` takes the CLI long flag names with underscores (vLLM's shape) and builds the
+`EngineConfig` the engine runs on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "bitsandbytes-int8", "bitsandbytes-nf4")
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # None = the default model (SmolLM2-135M-Instruct)
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None  # None = the model's own limit
+    quantization: str | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not one of bitsandbytes-int8, bitsandbytes-nf4")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # fixes the pool size (tests, benchmarks)
+    kv_cache_memory: int = 1 << 30  # bytes for the KV cache on the CPU
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # filled in from the model config by the engine
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding: `method` is "ngram" or "draft_model" (`model` names the draft)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    model: str | None = None
+    quantization: str | None = None
+    load_format: str = "auto"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    adaptive: bool = True
+    # Benchmarks only: force this per-token acceptance probability (random-weight models accept nothing).
+    simulated_acceptance: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative method {self.method!r} is not one of ngram, draft_model")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method draft_model needs a draft model (--draft-model PATH)")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"draft quantization {self.quantization!r} is not supported")
+        if self.simulated_acceptance is not None and not 0.0 <= self.simulated_acceptance <= 1.0:
+            raise ValueError("simulated_acceptance must be in [0, 1]")
+
+    @classmethod
+    def parse(cls, value: str | dict | SpecConfig | None) -> SpecConfig | None:
+        if value is None or isinstance(value, SpecConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {', '.join(unknown)}")
+        return cls(**value)
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig | None = None
+    device: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+
+
+# Engine arguments (CLI long flags with underscores) -> where they live in EngineConfig.
+_MODEL_KEYS = {"model", "dtype", "load_format", "max_model_len", "quantization", "seed", "tokenizer"}
+_CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
+               "enable_prefix_caching"}
+_SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens"}
+_TOP_KEYS = {"device", "attention_backend", "enforce_eager"}
+_SPEC_KEYS = {"speculative_config", "draft_model", "num_speculative_tokens", "draft_quantization",
+              "draft_load_format"}
+ENGINE_ARG_NAMES = _MODEL_KEYS | _CACHE_KEYS | _SCHED_KEYS | _TOP_KEYS | _SPEC_KEYS
+
+
+def build_spec_config(speculative_config: Any = None, draft_model: str | None = None,
+                      num_speculative_tokens: int | None = None, draft_quantization: str | None = None,
+                      draft_load_format: str | None = None) -> SpecConfig | None:
+    """Merge `--speculative-config` with its shorthands (the shorthands win)."""
+    if isinstance(speculative_config, SpecConfig):
+        speculative_config = dataclasses.asdict(speculative_config)
+    elif isinstance(speculative_config, str):
+        speculative_config = dataclasses.asdict(SpecConfig.parse(speculative_config))
+    spec = dict(speculative_config or {})
+    if draft_model:
+        spec.setdefault("method", "draft_model")
+        spec["model"] = draft_model
+    if num_speculative_tokens is not None:
+        spec["num_speculative_tokens"] = num_speculative_tokens
+    if draft_quantization is not None:
+        spec["quantization"] = draft_quantization
+    if draft_load_format is not None:
+        spec["load_format"] = draft_load_format
+    if not spec:
+        return None
+    return SpecConfig.parse(spec)
+
+
+def engine_config_from_args(**kwargs: Any) -> EngineConfig:
+    """Build an EngineConfig from engine arguments named like the CLI flags (underscores)."""
+    unknown = sorted(set(kwargs) - ENGINE_ARG_NAMES)
+    if unknown:
+        raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
+    pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys and v is not None}  # noqa: E731
+    spec = build_spec_config(**{k: kwargs.get(k) for k in _SPEC_KEYS})
+    return EngineConfig(model=ModelConfig(**pick(_MODEL_KEYS)), cache=CacheConfig(**pick(_CACHE_KEYS)),
+                        scheduler=SchedulerConfig(**pick(_SCHED_KEYS)), spec=spec, **pick(_TOP_KEYS))

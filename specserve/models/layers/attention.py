@@ -1,0 +1,73 @@
+"""Attention over the paged KV cache: per-step metadata, the backend interface, backend selection.
+
+KV cache layout (one tensor per layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
+index 0 = keys, 1 = values. Token `t` of a request lives at slot `block_table[t // block_size] *
+block_size + t % block_size`; `slot_mapping` holds that slot for every token of the step.
+
+A step's batch is flat and ragged: request `i` contributes tokens
+`query_start_loc[i]:query_start_loc[i+1]` (1 for a decode, 1 + k for a speculative verification,
+a chunk for prefill), which are the LAST `query_len` tokens of its `seq_lens[i]`-long context.
+Attention is causal inside each request's query.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+PAD_SLOT_ID = -1
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    seq_lens: torch.Tensor  # [num_reqs] int32, device; context length including this step's tokens
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, device
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device; PAD_SLOT_ID = do not write
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific per-step tensors
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute per-step tensors (once per step, shared by all layers) into `meta.extra`."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write `key`/`value` into `kv_cache` at `meta.slot_mapping`, then attend.
+
+        query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim];
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns [num_tokens, num_heads, head_dim].
+        """
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` picks triton on CUDA (when importable) and the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        from specserve.models.layers.torch_attn import TorchAttentionBackend
+        return TorchAttentionBackend()
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("attention backend 'triton' needs a CUDA device; use --attention-backend torch")
+        from specserve.models.layers.triton_attn import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        from specserve.models.layers import triton_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True

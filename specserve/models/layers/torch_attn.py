@@ -1,0 +1,75 @@
+"""Plain-PyTorch paged attention: the reference backend, used on the CPU and as the oracle.
+
+Requests are attended in padded groups with `scaled_dot_product_attention`: all requests with short
+queries (decodes, speculative verifications) in one batch, each long prefill chunk on its own, so
+padding never multiplies a prefill chunk by the batch size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.models.layers.attention import AttentionMetadata
+
+SHORT_QUERY_MAX = 32  # queries up to this length share one padded batch
+
+
+@dataclass(slots=True)
+class _Group:
+    q_index: torch.Tensor  # [B, Q] flat token index of each (padded) query row
+    q_valid: torch.Tensor | None  # [B, Q] bool, None when no row is padding
+    block_tables: torch.Tensor  # [B, num_blocks]
+    mask: torch.Tensor  # [B, 1, Q, num_blocks * block_size] bool, True = attend
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        short = [i for i, q in enumerate(meta.query_lens_cpu) if q <= SHORT_QUERY_MAX]
+        groups = [short] if short else []
+        groups += [[i] for i, q in enumerate(meta.query_lens_cpu) if q > SHORT_QUERY_MAX]
+        meta.extra["torch_groups"] = [self._build_group(meta, g) for g in groups]
+
+    def _build_group(self, meta: AttentionMetadata, reqs: list[int]) -> _Group:
+        device = meta.block_tables.device
+        block_size = meta.extra["block_size"]
+        q_lens = [meta.query_lens_cpu[i] for i in reqs]
+        s_lens = [meta.seq_lens_cpu[i] for i in reqs]
+        max_q = max(q_lens)
+        num_blocks = -(-max(s_lens) // block_size)
+        req_idx = torch.tensor(reqs, device=device)
+        starts = meta.query_start_loc[req_idx].long()  # [B]
+        q_lens_t = torch.tensor(q_lens, device=device)
+        s_lens_t = torch.tensor(s_lens, device=device)
+        rows = torch.arange(max_q, device=device)
+        q_valid = rows[None, :] < q_lens_t[:, None]  # [B, Q]
+        q_index = torch.where(q_valid, starts[:, None] + rows[None, :], starts[:, None])
+        q_pos = (s_lens_t - q_lens_t)[:, None] + rows[None, :]  # absolute position of each query row
+        kv_pos = torch.arange(num_blocks * block_size, device=device)
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < s_lens_t[:, None, None])
+        return _Group(q_index=q_index, q_valid=None if min(q_lens) == max_q else q_valid,
+                      block_tables=meta.block_tables[req_idx, :num_blocks].long(), mask=mask[:, None])
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kvh, d]
+        flat_cache[0].index_copy_(0, meta.slot_mapping, key)
+        flat_cache[1].index_copy_(0, meta.slot_mapping, value)
+        out = torch.empty_like(query)
+        for g in meta.extra["torch_groups"]:
+            batch = g.q_index.shape[0]
+            q = query[g.q_index].transpose(1, 2)  # [B, H, Q, d]
+            k = kv_cache[0][g.block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+            v = kv_cache[1][g.block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
+                                               enable_gqa=q.shape[1] != k.shape[1])
+            o = o.transpose(1, 2)  # [B, Q, H, d]
+            if g.q_valid is None:
+                out[g.q_index.reshape(-1)] = o.reshape(-1, *o.shape[2:])
+            else:
+                out[g.q_index[g.q_valid]] = o[g.q_valid]
+        return out
