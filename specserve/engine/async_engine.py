@@ -1,0 +1,141 @@
+"""AsyncEngine: the engine core loop in its own thread, per-request asyncio streams.
+
+The asyncio loop never waits on compute: `generate()` validates the request on the caller's side,
+hands it to the core thread through a locked inbox, and yields RequestOutputs as the core thread
+pushes them with `call_soon_threadsafe`. Leaving the stream early (cancel, disconnect, break)
+aborts the request; the core thread frees its KV blocks before its next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from specserve.config import EngineConfig
+from specserve.engine.engine import LLMEngine, PromptType
+from specserve.engine.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine | EngineConfig) -> None:
+        self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
+        self._cond = threading.Condition()
+        self._new: list = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._stats = self.engine.stats()
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (asyncio) -------------------------------------------------------------------
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative RequestOutputs until finished. Raises ValueError on bad input at once."""
+        if self._stopped:
+            raise EngineDeadError("the engine is stopped")
+        group = self.engine.make_requests(request_id, prompt, params)
+        req_id = group.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cond:
+            if req_id in self._streams:
+                raise ValueError(f"request id {req_id!r} is already in use")
+            self._streams[req_id] = (asyncio.get_running_loop(), queue)
+            self._new.append(group)
+            self._cond.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(req_id)
+            with self._cond:
+                self._streams.pop(req_id, None)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def stats(self) -> dict:
+        """A snapshot taken by the core thread after its latest step."""
+        return dict(self._stats)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- core thread -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._stopped or self._new or self._aborts or engine.has_unfinished()):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                new, self._new = self._new, []
+                aborts, self._aborts = self._aborts, []
+            for req_id in aborts:
+                engine.abort(req_id)
+            for group in new:
+                if group.request_id in aborts:
+                    continue
+                try:
+                    engine.add_group(group)
+                except ValueError as e:
+                    self._deliver(group.request_id, e)
+            if not engine.has_unfinished():
+                self._stats = engine.stats()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a failed step fails its requests, not the server
+                logger.exception("engine step failed")
+                for req_id in list(engine.groups):
+                    engine.abort(req_id)
+                    self._deliver(req_id, EngineDeadError(f"engine step failed: {e}"))
+                self._stats = engine.stats()
+                continue
+            self.num_steps += 1
+            self._stats = engine.stats()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+        with self._cond:
+            streams = list(self._streams)
+        for req_id in streams:
+            self._deliver(req_id, EngineDeadError("the engine was shut down"))
+
+    def _deliver(self, req_id: str, item) -> None:
+        with self._cond:
+            target = self._streams.get(req_id)
+        if target is None:
+            return
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed
+            pass

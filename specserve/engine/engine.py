@@ -1,0 +1,278 @@
+"""LLMEngine: schedule -> execute -> update -> detokenize, one step at a time (the engine API:
+add_request / step / abort). The AsyncEngine wrapping it for servers lives in async_engine.py."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.cache.kv_cache_manager import KVCacheManager
+from specserve.config import EngineConfig
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specserve.engine.request import Request, RequestStatus
+from specserve.engine.scheduler import Scheduler
+from specserve.models.layers.attention import get_attention_backend
+from specserve.models.loader import LoadedModel, load_model
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class _Group:
+    """A user request: one child Request per parallel sample (SamplingParams.n)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    seen: list[int] = field(default_factory=list)  # output tokens already detokenized, per child
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but no CUDA GPU is available")
+    return dev
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        mc = config.model
+        t0 = time.perf_counter()
+        model_path = mc.model
+        if model_path is None:
+            from specserve.models.default_model import ensure_default_model
+            model_path = str(ensure_default_model())
+        self.loaded: LoadedModel = load_model(
+            model_path, dtype=mc.dtype, device=self.device, load_format=mc.load_format,
+            max_positions=mc.max_model_len, seed=mc.seed, quantization=mc.quantization)
+        arch = self.loaded.arch
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = model_path
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        logger.info("loaded %s (%s, %.2f GB of weights) in %.1fs", model_path, self.loaded.dtype,
+                    self.weight_bytes / 1e9, time.perf_counter() - t0)
+
+        max_len = mc.max_model_len or arch.max_position_embeddings
+        if max_len > arch.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's {arch.max_position_embeddings}")
+        cc = config.cache
+        block_bytes = ModelRunner.kv_bytes_per_block(arch, cc.block_size, self.loaded.dtype)
+        num_blocks = cc.num_kv_blocks or self._auto_num_blocks(block_bytes, max_len)
+        if num_blocks * cc.block_size < max_len:
+            if mc.max_model_len:
+                raise ValueError(f"max_model_len {max_len} needs {-(-max_len // cc.block_size)} KV blocks, "
+                                 f"the cache has {num_blocks}; lower --max-model-len or give the cache more memory")
+            max_len = num_blocks * cc.block_size
+            logger.warning("max_model_len lowered to %d to fit the KV cache", max_len)
+        self.max_model_len = max_len
+        config.scheduler.max_model_len = max_len
+        self.kv_cache_bytes = num_blocks * block_bytes
+
+        identity = (self.loaded.path, str(self.loaded.dtype), mc.quantization or "")
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                         extra_keys=identity)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.loaded.model, backend, self.device, self.loaded.dtype,
+                                  cc.block_size, num_blocks, seed=mc.seed)
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.groups: dict[str, _Group] = {}
+        self._child_to_group: dict[str, _Group] = {}
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GB), max_model_len %d, attention %s",
+                    num_blocks, cc.block_size, self.kv_cache_bytes / 1e9, max_len, backend.name)
+
+    def _auto_num_blocks(self, block_bytes: int, max_len: int) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            sc, arch = self.config.scheduler, self.loaded.arch
+            # activations of one step: hidden/qkv/mlp intermediates and the fp32 logits
+            act = sc.max_num_batched_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * 4
+            act += sc.max_num_seqs * 8 * arch.vocab_size * 4
+            budget = total * self.config.cache.gpu_memory_utilization - used - act
+        else:
+            budget = self.config.cache.kv_cache_memory
+        num = int(budget // block_bytes)
+        if num < 1:
+            raise ValueError("no memory left for the KV cache: lower the model size or raise "
+                             "--gpu-memory-utilization / --kv-cache-memory")
+        return num
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            vocab = self.loaded.arch.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            return None, list(prompt)
+        raise TypeError("prompt must be a string, a list of token ids, or a dict")
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja errors: bad roles/content
+            raise ValueError(f"cannot apply the chat template: {e}") from None
+
+    def make_requests(self, request_id: str | None, prompt: PromptType,
+                      params: SamplingParams | None = None) -> _Group:
+        """Tokenize and validate (thread-safe, touches no engine state)."""
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(ids)} tokens, which does not fit max_model_len "
+                             f"{self.max_model_len} with room for output")
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, list(ids), child_params, self.eos_token_ids, prompt=text))
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, c.sampling_params.stop_strings,
+                                         c.sampling_params.include_stop_str_in_output,
+                                         c.sampling_params.skip_special_tokens)
+                  if self.tokenizer is not None else None for c in children]
+        return _Group(request_id, text, list(ids), children, detoks, [0] * len(children))
+
+    def add_group(self, group: _Group) -> None:
+        if group.request_id in self.groups:
+            raise ValueError(f"request id {group.request_id!r} is already in use")
+        self.groups[group.request_id] = group
+        for child in group.children:
+            self._child_to_group[child.request_id] = group
+            self.scheduler.add_request(child)
+
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | None = None) -> str:
+        group = self.make_requests(request_id, prompt, params)
+        self.add_group(group)
+        return group.request_id
+
+    def abort(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for child in group.children:
+            self._child_to_group.pop(child.request_id, None)
+            self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        changed = self.scheduler.update_from_output(sched, result)
+        touched: dict[str, _Group] = {}
+        for request in changed:
+            group = self._child_to_group.get(request.request_id)
+            if group is None:
+                continue
+            self._detokenize(group, request)
+            touched[group.request_id] = group
+        return [self._output(g) for g in touched.values()]
+
+    def _detokenize(self, group: _Group, request: Request) -> None:
+        i = group.children.index(request)
+        detok = group.detoks[i]
+        new = request.output_token_ids[group.seen[i]:]
+        group.seen[i] = len(request.output_token_ids)
+        if detok is None:
+            return
+        stop = detok.add_tokens(new)
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        elif stop is not None:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if request.is_finished:
+            detok.flush()
+
+    def _output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, (child, detok) in enumerate(zip(group.children, group.detoks)):
+            if detok is not None:
+                detok.take_delta()
+            outs.append(CompletionOutput(
+                index=i, text=detok.text[:detok.emitted] if detok is not None else "",
+                token_ids=list(child.output_token_ids),
+                finish_reason=child.status.value if child.is_finished else None,
+                stop_reason=child.stop_reason, logprobs=child.logprobs))
+        finished = all(c.is_finished for c in group.children)
+        if finished:
+            del self.groups[group.request_id]
+            for child in group.children:
+                self._child_to_group.pop(child.request_id, None)
+        first = group.children[0]
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                             prompt_token_ids=group.prompt_token_ids, outputs=outs, finished=finished,
+                             num_cached_tokens=max(first.num_cached_tokens, 0),
+                             metrics=self._metrics(group))
+
+    @staticmethod
+    def _metrics(group: _Group) -> RequestMetrics:
+        first = group.children[0]
+        firsts = [c.first_token_time for c in group.children if c.first_token_time is not None]
+        first_token = min(firsts) if firsts else None
+        ends = [c.finished_time for c in group.children]
+        return RequestMetrics(
+            arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first_token,
+            finished_time=max(ends) if all(e is not None for e in ends) else None,
+            time_to_first_token=None if first_token is None else first_token - first.arrival_time,
+            num_preemptions=sum(c.num_preemptions for c in group.children),
+            num_drafts=sum(c.spec.num_drafts for c in group.children),
+            num_draft_tokens=sum(c.spec.num_draft_tokens for c in group.children),
+            num_accepted_tokens=sum(c.spec.num_accepted_tokens for c in group.children))
+
+    # -- observability ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        pool = self.kv_manager.pool
+        ps = self.kv_manager.prefix_stats
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "num_blocks": pool.num_blocks,
+            "num_used_blocks": pool.num_used_blocks,
+            "kv_cache_usage_perc": pool.usage(),
+            "prefix_cache_queries": ps.queries,
+            "prefix_cache_hits": ps.hits,
+            "num_evictions": pool.stats.num_evictions,
+            "num_cow_copies": pool.stats.num_cow_copies,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

