@@ -1,0 +1,37 @@
+"""Triton attention backend: `reshape_and_cache` + one `paged_attention` call per layer.
+
+The kernels read `query_start_loc`, `seq_lens` and `block_tables` straight from the metadata, so
+`prepare` has nothing to precompute and the whole forward is free of host syncs (CUDA-graph safe).
+Triton is imported lazily: this module imports on machines without Triton or a GPU, and
+`get_attention_backend` decides availability by constructing the backend only on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.models.layers.attention import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from specserve.kernels import paged_attention, reshape_and_cache  # needs triton
+
+        self._paged_attention = paged_attention
+        self._reshape_and_cache = reshape_and_cache
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if "block_size" not in meta.extra:
+            raise ValueError("AttentionMetadata.extra['block_size'] must be set by the model runner")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim];
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns [num_tokens, num_heads, head_dim]."""
+        if kv_cache.shape[2] != meta.extra["block_size"]:
+            raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != metadata block_size "
+                             f"{meta.extra['block_size']}")
+        self._reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        return self._paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                     scale, meta.max_query_len, meta.max_seq_len)
