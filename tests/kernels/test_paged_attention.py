@@ -182,7 +182,7 @@ def test_gpu_cuda_graph_replays_new_contents(paged_batch, close, q_len):
     static["kv_cache"].zero_()[:, :new["kv_cache"].shape[1]] = new["kv_cache"]
     static["seq_lens"].copy_(torch.tensor(seq_lens, dtype=torch.int32))
     static["query_start_loc"].copy_(new["query_start_loc"])
-    static["block_tables"][:, :new["block_tables"].shape[1]] = new["block_tables"]
+    static["block_tables"][:] = new["block_tables"][:, :num_blocks_per_req]
     static["query"][:new["query"].shape[0]] = new["query"]
     graph.replay()
     num_valid = sum(q_lens)
