@@ -1,0 +1,9 @@
+"""Python client for specserve's WebSocket protocol (`WS /v1/ws`): `AsyncClient`, `Client`."""
+from specserve.client.async_client import AsyncClient, AsyncResponseStream
+from specserve.client.errors import SpecserveError
+from specserve.client.sync_client import Client, ResponseStream
+from specserve.server.protocol import (
+    DoneResponse, ErrorEvent, OutputTextDelta, ResponseCreated, ResponseDone, SessionCreated)
+
+__all__ = ["AsyncClient", "AsyncResponseStream", "Client", "ResponseStream", "SpecserveError", "DoneResponse",
+           "ErrorEvent", "OutputTextDelta", "ResponseCreated", "ResponseDone", "SessionCreated"]

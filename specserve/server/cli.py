@@ -1,0 +1,176 @@
+"""`specserve serve [MODEL]`: flags, YAML config files and SPECSERVE_* environment variables.
+
+Every flag can come from three places besides its default. Precedence, highest first:
+command line > `--config FILE.yaml` (keys = long flag names, dashes or underscores) >
+`SPECSERVE_<FLAG>` environment variables (e.g. SPECSERVE_PORT, SPECSERVE_API_KEY,
+SPECSERVE_MAX_MODEL_LEN, SPECSERVE_MODEL) > defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from specserve.cli import _bytes, add_engine_args, engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "SPECSERVE_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_DEFAULTS: dict[str, Any] = {}  # dest -> default, for the flags of `serve`
+_ACTIONS: dict[str, argparse.Action] = {}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over WebSocket and OpenAI-compatible HTTP",
+                       description="Serve a model: WebSocket protocol on /v1/ws, OpenAI-compatible HTTP on "
+                       "/v1/*, a browser chat demo on /, Prometheus metrics on /metrics.",
+                       epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    g = p.add_argument_group("server")
+    g.add_argument("--config", default=None, help="YAML file of flags (keys = long flag names)")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and the socket")
+    g.add_argument("--allowed-origins", default=None,
+                   help="comma-separated browser Origins allowed to open the WebSocket besides this "
+                        "server's own (default: localhost origins; '*' = any)")
+    g.add_argument("--max-frame-size", type=_bytes, default=1 << 20,
+                   help="largest WebSocket frame / HTTP body accepted, e.g. 1M (default 1 MiB)")
+    g.add_argument("--served-model-name", default=None, help="the name clients use in `model`")
+    add_engine_args(p)
+    # Defaults move out of argparse so that "given on the command line" is visible (present in the
+    # namespace) and YAML / environment values can slot in between.
+    for action in p._actions:  # noqa: SLF001 - argparse offers no public way to list its actions
+        if action.dest in ("help", "config") or action.default is argparse.SUPPRESS:
+            continue
+        _DEFAULTS[action.dest] = action.default
+        _ACTIONS[action.dest] = action
+        action.default = argparse.SUPPRESS
+    p.set_defaults(func=cmd_serve)
+
+
+def _convert(dest: str, value: Any, source: str) -> Any:
+    """Type a YAML or environment value the way argparse would type the flag."""
+    action = _ACTIONS[dest]
+    if action.nargs == 0:  # boolean flags (store_true, --x/--no-x)
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in _TRUE | _FALSE:
+            return text in _TRUE
+        raise ValueError(f"{source}: {value!r} is not a boolean (true/false)")
+    if isinstance(value, str) and action.type is not None:
+        try:
+            value = action.type(value)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
+    elif isinstance(value, (dict, list)) and dest == "speculative_config":
+        pass  # a YAML mapping: build_spec_config takes it as is
+    elif isinstance(value, bool) or (action.type is int and not isinstance(value, int)):
+        raise ValueError(f"{source}: {value!r} is not a valid value")
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{source}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def _from_env(environ: dict[str, str]) -> dict[str, Any]:
+    out = {}
+    for dest in _DEFAULTS:
+        name = ENV_PREFIX + dest.upper()
+        if name in environ and environ[name] != "":
+            out[dest] = _convert(dest, environ[name], f"environment variable {name}")
+    return out
+
+
+def load_yaml_config(path: str | Path) -> dict[str, Any]:
+    """Flags from a YAML mapping whose keys are long flag names."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must be a mapping of flag names to values")
+    out = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in _DEFAULTS:
+            raise ValueError(f"config file {path}: unknown key {key!r}; keys are the long flag names of "
+                             f"`specserve serve` ({', '.join(sorted(d.replace('_', '-') for d in _DEFAULTS))})")
+        out[dest] = None if value is None else _convert(dest, value, f"config file {path}, key {key!r}")
+    return out
+
+
+def resolve_serve_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """Merge defaults < environment < YAML < command line into one namespace."""
+    env = os.environ if environ is None else environ
+    values = dict(_DEFAULTS)
+    values.update(_from_env(env))
+    config = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG") or None
+    if config:
+        values.update(load_yaml_config(config))
+    values.update({k: v for k, v in vars(args).items() if k in _DEFAULTS})
+    values["config"] = config
+    values["func"] = getattr(args, "func", None)
+    values["log_level"] = getattr(args, "log_level", "WARNING")
+    return argparse.Namespace(**values)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specserve.config import engine_config_from_args
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.engine.engine import LLMEngine
+    from specserve.server.app import build_app, uvicorn_config
+    from specserve.server.settings import ServerSettings, model_aliases, served_name_for
+
+    args = resolve_serve_args(args)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, allowed_origins=origins,
+                              max_frame_size=args.max_frame_size, served_model_name=args.served_model_name,
+                              extra_model_names=model_aliases(args.model))
+    config = engine_config_from_args(model=args.model, **engine_kwargs(args))  # bad flags fail here, early
+    name = served_name_for(args.model, args.served_model_name)
+    if not _is_loopback(settings.host) and settings.api_key is None:
+        logger.warning("listening on %s without --api-key: anyone who can reach it can use it", settings.host)
+
+    failures: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_error(e: BaseException) -> None:
+        failures.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    def on_ready() -> None:
+        print(f"specserve: {name} is ready", file=sys.stderr, flush=True)
+
+    app = build_app(lambda: AsyncEngine(LLMEngine(config)), settings, name, on_load_error, on_ready)
+    server = uvicorn.Server(uvicorn_config(app, settings, args.log_level))
+    print(f"specserve: serving {name} on http://{settings.host}:{settings.port} (loading the model...)",
+          file=sys.stderr, flush=True)
+    server.run()
+    if failures:
+        print(f"specserve: error: loading the model failed: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0

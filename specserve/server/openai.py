@@ -1,0 +1,267 @@
+"""OpenAI-compatible HTTP routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Non-streaming answers come when every sample has finished; streaming answers are SSE
+(`data: {chunk}` lines, then `data: [DONE]`). A client that disconnects aborts its requests.
+Errors use OpenAI's body `{"error": {message, type, param, code}}` with 400 (bad input),
+401 (bad key, see security.py), 404 (unknown model or route), 413 (body too large) and
+503 (model not loaded yet).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specserve.engine.async_engine import AsyncEngine
+from specserve.server.openai_protocol import (
+    ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs, completion_logprobs, finish_reason,
+    usage_dict)
+from specserve.server.protocol import format_validation_error
+from specserve.server.state import NotReadyError, ServerState
+from specserve.server.streaming import Delta, PromptError, RequestStream, prepare_prompt
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25
+
+
+def openai_routes() -> list[Route]:
+    return [Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+
+
+def _error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _ready(request: Request) -> tuple[ServerState, AsyncEngine]:
+    state: ServerState = request.app.state.server
+    try:
+        return state, state.require_engine()
+    except NotReadyError as e:
+        raise OpenAIError(503, str(e), type="service_unavailable", code="model_not_ready") from None
+
+
+async def _read_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise OpenAIError(413, f"the request body is larger than the server's limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise OpenAIError(413, f"the request body is larger than the server's limit of {limit} bytes")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        loc = e.errors()[0]["loc"] if e.errors() else ()
+        raise OpenAIError(400, format_validation_error(e), param=str(loc[0]) if loc else None) from None
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name not in state.accepted_model_names:
+        raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                          type="not_found_error", code="model_not_found", param="model")
+
+
+async def list_models(request: Request) -> Response:
+    try:
+        state, engine = _ready(request)
+    except OpenAIError as e:
+        return _error_response(e)
+    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specserve",
+            "root": engine.engine.model_name, "max_model_len": engine.engine.max_model_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def completions(request: Request) -> Response:
+    try:
+        state, engine = _ready(request)
+        req = await _read_body(request, CompletionRequest, state.settings.max_frame_size)
+        _check_model(state, req.model)
+        params = req.sampling_params()
+        prompt_ids = [_prompt(engine, p, None) for p in req.prompts()]
+    except OpenAIError as e:
+        return _error_response(e)
+    return await _respond(request, state, engine, req, params, prompt_ids, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    try:
+        state, engine = _ready(request)
+        req = await _read_body(request, ChatCompletionRequest, state.settings.max_frame_size)
+        _check_model(state, req.model)
+        params = req.sampling_params()
+        prompt_ids = [_prompt(engine, None, [m.as_template_message() for m in req.messages])]
+    except OpenAIError as e:
+        return _error_response(e)
+    return await _respond(request, state, engine, req, params, prompt_ids, chat=True)
+
+
+def _prompt(engine: AsyncEngine, prompt, messages) -> list[int]:
+    try:
+        return prepare_prompt(engine.engine, prompt, messages)
+    except PromptError as e:
+        raise OpenAIError(400, str(e), code=e.code, param="messages" if messages else "prompt") from None
+
+
+class _Answer:
+    """Builds the response objects of one completions / chat completions call."""
+
+    def __init__(self, state: ServerState, engine: AsyncEngine, req, n: int, chat: bool) -> None:
+        self.chat, self.n, self.req = chat, n, req
+        self.tokenizer = engine.tokenizer
+        self.id = state.new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.model = state.model_name
+        self.object = "chat.completion" if chat else "text_completion"
+        self.text_offsets: dict[int, int] = {}
+        self.k = (req.top_logprobs or 0) if chat else (req.logprobs or 0)
+        self.want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+
+    def head(self, choices: list, usage: dict | None = None, chunk: bool = False) -> dict:
+        obj = self.object + (".chunk" if chunk and self.chat else "")
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+               "system_fingerprint": None}
+        if not chunk or self.req.include_usage:
+            out["usage"] = usage
+        return out
+
+    def logprobs(self, index: int, token_ids: list[int], lps: list[dict[int, float]] | None) -> dict | None:
+        if not self.want_logprobs or lps is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, token_ids, lps, self.k)
+        out = completion_logprobs(self.tokenizer, token_ids, lps, self.k, self.text_offsets.get(index, 0))
+        self.text_offsets[index] = sum(len(t) for t in out["tokens"]) + self.text_offsets.get(index, 0)
+        return out
+
+    def final_choice(self, index: int, text: str, reason: str | None, token_ids, lps) -> dict:
+        choice = {"index": index, "finish_reason": finish_reason(reason) or "stop",
+                  "logprobs": self.logprobs(index, token_ids, lps)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return choice
+
+    def delta_choice(self, index: int, d: Delta, first: bool) -> dict:
+        choice = {"index": index, "finish_reason": finish_reason(d.finish_reason),
+                  "logprobs": self.logprobs(index, d.token_ids, d.logprobs)}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+        else:
+            choice["text"] = d.text
+        return choice
+
+
+def _usage(streams: list[RequestStream]) -> dict:
+    completion = sum(len(o.token_ids) for s in streams if s.final for o in s.final.outputs)
+    return usage_dict(sum(len(s.prompt_ids) for s in streams), completion,
+                      sum(s.num_cached_tokens for s in streams))
+
+
+async def _respond(request: Request, state: ServerState, engine: AsyncEngine, req, params,
+                   prompt_ids: list[list[int]], chat: bool) -> Response:
+    answer = _Answer(state, engine, req, params.n, chat)
+    streams = [RequestStream(engine, state.metrics, ids, params, f"{answer.id}-{k}")
+               for k, ids in enumerate(prompt_ids)]
+    if req.stream:
+        return StreamingResponse(_sse(answer, streams), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def drain(s: RequestStream) -> None:
+        async for _ in s.deltas():
+            pass
+
+    tasks = [asyncio.create_task(drain(s)) for s in streams]
+    work = asyncio.ensure_future(asyncio.gather(*tasks))
+    try:
+        if not await _until_disconnect(request, work):
+            return Response(status_code=499)  # nobody is listening; the requests were aborted
+        await work
+    except Exception as e:  # noqa: BLE001 - engine failure: 500, the server goes on
+        logger.warning("request %s failed: %s", answer.id, e)
+        return _error_response(OpenAIError(500, f"generation failed: {e}", type="server_error"))
+    finally:
+        for t in tasks:  # after a failure (or a disconnect) the other samples stop too
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    choices = []
+    for k, s in enumerate(streams):
+        for o in s.final.outputs:
+            choices.append(answer.final_choice(k * params.n + o.index, o.text, o.finish_reason,
+                                               o.token_ids, o.logprobs))
+    return JSONResponse(answer.head(choices, _usage(streams)))
+
+
+async def _until_disconnect(request: Request, work: asyncio.Future) -> bool:
+    """Wait for `work`; if the client goes away first, cancel it and return False."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return True
+        if await request.is_disconnected():
+            return False
+
+
+async def _sse(answer: _Answer, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """Chunks of all streams as they come; usage last (if asked), then [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, s: RequestStream) -> None:
+        try:
+            async for step in s.deltas():
+                queue.put_nowait((k, step))
+            queue.put_nowait((k, None))
+        except Exception as e:  # noqa: BLE001 - reported in the stream
+            queue.put_nowait((k, e))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    started: set[int] = set()
+    data: Callable[[dict], str] = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
+    continuous = bool(answer.req.stream_options and answer.req.stream_options.continuous_usage_stats)
+    try:
+        remaining = len(tasks)
+        while remaining:
+            k, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, Exception):
+                logger.warning("stream %s failed: %s", answer.id, item)
+                yield data(OpenAIError(500, f"generation failed: {item}", type="server_error").body())
+                break
+            choices = []
+            for d in item:
+                index = k * answer.n + d.index
+                first = index not in started
+                if not (d.text or d.finish_reason or first or (answer.want_logprobs and d.token_ids)):
+                    continue  # tokens whose text is held back (a partial character or stop string)
+                started.add(index)
+                choices.append(answer.delta_choice(index, d, first))
+            if choices:
+                usage = _usage(streams) if continuous and answer.req.include_usage else None
+                yield data(answer.head(choices, usage, chunk=True))
+        else:
+            if answer.req.include_usage:
+                yield data(answer.head([], _usage(streams), chunk=True))
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,208 @@
+"""Request bodies of the OpenAI-compatible HTTP API, and their mapping to SamplingParams.
+
+Fields OpenAI defines and we do not support are refused with a 400 naming the field (never silently
+ignored when that would change the answer); unknown fields are ignored, as OpenAI does. vLLM's
+extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are accepted too.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specserve.sampling_params import SamplingParams
+
+
+class OpenAIError(Exception):
+    """Becomes `{"error": {message, type, param, code}}` with this HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(default=None, max_length=256)
+
+    def _check_common(self) -> None:
+        if self.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise OpenAIError(400, "at most 16 stop sequences", param="stop")
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
+                seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt)
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise OpenAIError(400, "prompt is empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(400, "best_of other than n is not supported", param="best_of")
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "input_text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        content = self.content if isinstance(self.content, str) else \
+            "".join(p.text for p in self.content or [])
+        # chat templates know "system"; OpenAI's newer "developer" role means the same
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.tools:
+            raise OpenAIError(400, "tools are not supported by this server", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise OpenAIError(400, "tool_choice is not supported by this server", param="tool_choice")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise OpenAIError(400, "only response_format {\"type\": \"text\"} is supported",
+                              param="response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """Engine finish reasons to OpenAI's (an aborted request reports `stop`, as vLLM does)."""
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"
+
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
+                        text_offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object for these tokens."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for t, lp in zip(token_ids, logprobs):
+        s = _token_text(tokenizer, t)
+        tokens.append(s)
+        token_lps.append(max(lp.get(t, _MIN_LOGPROB), _MIN_LOGPROB))
+        tops.append({_token_text(tokenizer, i): max(v, _MIN_LOGPROB) for i, v in _top(lp, k)})
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> dict:
+    """The chat completions `logprobs` object for these tokens."""
+    def entry(t: int, v: float) -> dict:
+        s = _token_text(tokenizer, t)
+        return {"token": s, "logprob": max(v, _MIN_LOGPROB), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for t, lp in zip(token_ids, logprobs):
+        item = entry(t, lp.get(t, _MIN_LOGPROB))
+        item["top_logprobs"] = [entry(i, v) for i, v in _top(lp, k)]
+        content.append(item)
+    return {"content": content, "refusal": None}

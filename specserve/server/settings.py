@@ -1,0 +1,56 @@
+"""Server settings (the non-engine flags of `specserve serve`) and the default model's served name."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MAX_FRAME_SIZE = 1 << 20  # 1 MiB: far above any sane prompt frame, far below memory trouble
+# The transport closes a socket (code 1009) on frames above this multiple of max_frame_size; frames
+# between max_frame_size and that cap are answered with an `error` event and the socket stays open.
+HARD_FRAME_FACTOR = 4
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ServerSettings:
+    """How the server listens and whom it lets in.
+
+    `allowed_origins`: WebSocket Origins accepted besides the server's own host; None = localhost
+    origins only, ["*"] = any. Requests without an Origin header (non-browser clients) are accepted.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    allowed_origins: list[str] | None = None
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    served_model_name: str | None = None
+    extra_model_names: list[str] = field(default_factory=list)  # also accepted in the `model` field
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_frame_size < 1024:
+            raise ValueError(f"max_frame_size must be at least 1024 bytes, got {self.max_frame_size}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it out to disable authentication)")
+
+    @property
+    def hard_frame_limit(self) -> int:
+        return self.max_frame_size * HARD_FRAME_FACTOR
+
+
+def served_name_for(model: str | None, served_model_name: str | None = None) -> str:
+    """The name clients use in `model`: the explicit one, else the model argument as given."""
+    if served_model_name:
+        return served_model_name
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return model.rstrip("/") or model
+
+
+def model_aliases(model: str | None) -> list[str]:
+    """Other names accepted for the served model: the path, and its last component."""
+    if model is None:
+        return [DEFAULT_MODEL_NAME]
+    return sorted({model, Path(model).name})

@@ -1,0 +1,109 @@
+"""What one server process holds: settings, metrics, and the engine, loaded in a background thread.
+
+uvicorn starts listening first; the engine loads in a thread so `/health` can answer 503 (loading)
+and then 200 (ready), and a failed load is reported rather than hidden.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Literal
+
+from specserve.engine.async_engine import AsyncEngine
+from specserve.server.metrics import ServerMetrics
+from specserve.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[], AsyncEngine]
+Phase = Literal["loading", "ready", "failed", "stopped"]
+
+
+class NotReadyError(Exception):
+    """The engine is still loading (or failed to load): HTTP 503 / `model_not_ready`."""
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings, model_name: str, engine_factory: EngineFactory,
+                 on_load_error: Callable[[BaseException], None] | None = None,
+                 on_ready: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.model_name = model_name
+        self.accepted_model_names = {model_name, *settings.extra_model_names}
+        self.engine: AsyncEngine | None = None
+        self.phase: Phase = "loading"
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(model_name, self._stats)
+        self._factory = engine_factory
+        self._on_load_error = on_load_error
+        self._on_ready = on_ready
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        """Build the engine in a daemon thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._load, name="specserve-load", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine = self._factory()
+        except BaseException as e:  # noqa: BLE001 - any load failure must reach /health and the CLI
+            self.load_error = f"{type(e).__name__}: {e}"
+            self.phase = "failed"
+            logger.error("loading the engine failed: %s", self.load_error)
+            if self._on_load_error is not None:
+                self._on_load_error(e)
+            return
+        if self.phase == "stopped":  # the server went away while we loaded
+            engine.shutdown()
+            return
+        self.engine = engine
+        self.phase = "ready"
+        logger.info("engine ready in %.1fs: %s (max_model_len %d)", time.perf_counter() - t0,
+                    self.model_name, engine.engine.max_model_len)
+        if self._on_ready is not None:
+            self._on_ready()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.phase == "ready"
+
+    def shutdown(self) -> None:
+        self.phase = "stopped"
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    # -- access ----------------------------------------------------------------------------------
+    def require_engine(self) -> AsyncEngine:
+        engine = self.engine
+        if engine is None or self.phase != "ready":
+            if self.phase == "failed":
+                raise NotReadyError(f"the model failed to load: {self.load_error}")
+            raise NotReadyError("the model is still loading; retry shortly")
+        return engine
+
+    def _stats(self) -> dict | None:
+        engine = self.engine
+        return engine.stats() if engine is not None else None
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+    def speculative_info(self) -> dict | None:
+        engine = self.engine
+        spec = engine.engine.config.spec if engine is not None else None
+        if spec is None:
+            return None
+        return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                "draft_model": spec.model}

@@ -1,0 +1,209 @@
+"""One request on the engine, seen as a stream of deltas: shared by the WebSocket and HTTP front ends.
+
+`prepare_prompt` turns a text prompt, token ids or chat messages into prompt token ids (and checks
+the context length with an error code of its own); `RequestStream` runs the request, turns the
+engine's cumulative `RequestOutput`s into per-step deltas, and records the request's metrics
+whatever way it ends (finished, cancelled, client gone, engine failure).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Literal
+
+from specserve.engine.async_engine import AsyncEngine
+from specserve.engine.engine import LLMEngine
+from specserve.engine.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+from specserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+Outcome = Literal["completed", "incomplete", "cancelled", "failed"]
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot take; `code` is machine-readable (context_length_exceeded, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def prepare_prompt(llm: LLMEngine, prompt: str | Sequence[int] | None,
+                   messages: Sequence[dict] | None = None) -> list[int]:
+    """Prompt token ids for a text prompt, token ids, or chat messages ({role, content: str}).
+
+    Chat messages go through the model's chat template and are tokenized without special tokens
+    (the template already holds them), as `LLM.chat` does.
+    """
+    if messages is not None:
+        try:
+            text = llm.apply_chat_template([dict(m) for m in messages])
+        except ValueError as e:
+            raise PromptError("invalid_messages", str(e)) from None
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    elif isinstance(prompt, str):
+        if llm.tokenizer is None:
+            raise PromptError("invalid_prompt", "this model has no tokenizer: send prompt token ids")
+        ids = llm.tokenizer.encode(prompt)
+    elif prompt is not None:
+        ids = list(prompt)
+        vocab = llm.loaded.arch.vocab_size
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise PromptError("invalid_prompt", f"prompt token id {bad!r} is outside the vocabulary "
+                              f"(0..{vocab - 1})")
+    else:
+        raise PromptError("invalid_prompt", "no prompt given")
+    if not ids:
+        raise PromptError("invalid_prompt", "the prompt is empty")
+    if len(ids) >= llm.max_model_len:
+        raise PromptError("context_length_exceeded",
+                          f"the prompt is {len(ids)} tokens; this server's context length is "
+                          f"{llm.max_model_len} tokens and at least one output token must fit")
+    return ids
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine step added to one of the request's samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # set on the sample's last delta: stop | length | abort
+    logprobs: list[dict[int, float]] | None = None  # per token of token_ids, when asked for
+
+
+class RequestStream:
+    """Run one request; iterate `deltas()` for per-step deltas. After the stream ends, `outcome`,
+    `final` (the last RequestOutput) and `summary()` describe it."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int],
+                 params: SamplingParams, request_id: str) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.request_id = request_id
+        self.final: RequestOutput | None = None
+        self.outcome: Outcome | None = None
+        self.error: str | None = None
+        self.num_output_tokens = 0
+        self.start = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self._first_step_tokens = 0
+
+    async def deltas(self) -> AsyncIterator[list[Delta]]:
+        """Per-step deltas. Raises ValueError (bad request, before any output) and the engine's
+        RuntimeError on failure; leaving early (cancel, disconnect, close) aborts the request."""
+        seen_text = [0] * self.params.n
+        seen_ids = [0] * self.params.n
+        done = [False] * self.params.n
+        started = False
+        try:
+            async with aclosing(self.engine.generate(self.prompt_ids, self.params, self.request_id)) as gen:
+                async for out in gen:
+                    started = True
+                    self.final = out
+                    step: list[Delta] = []
+                    for o in out.outputs:
+                        i = o.index
+                        text, ids = o.text[seen_text[i]:], o.token_ids[seen_ids[i]:]
+                        lps = o.logprobs[seen_ids[i]:] if o.logprobs is not None else None
+                        seen_text[i], seen_ids[i] = len(o.text), len(o.token_ids)
+                        if text or ids or (o.finish_reason and not done[i]):
+                            done[i] = o.finish_reason is not None
+                            step.append(Delta(i, text, list(ids), o.finish_reason, lps))
+                    self._observe_step(sum(len(d.token_ids) for d in step), out)
+                    yield step
+            self.outcome = self._finished_outcome()
+        except ValueError:
+            if not started:
+                self.outcome = None  # rejected: not a request for the metrics
+                raise
+            self.outcome, self.error = "failed", "the engine rejected the request"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            self.outcome = "cancelled"
+            raise
+        except Exception as e:
+            self.outcome, self.error = "failed", str(e) or type(e).__name__
+            raise
+        finally:
+            self._record()
+
+    def _observe_step(self, num_new: int, out: RequestOutput) -> None:
+        if not num_new:
+            return
+        now = time.monotonic()
+        m, name = self.metrics, self.metrics.model_name
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self._first_step_tokens = num_new
+            ttft = out.metrics.time_to_first_token if out.metrics else None
+            m.ttft.labels(name).observe(ttft if ttft is not None else now - self.start)
+        else:
+            m.itl.labels(name).observe(now - self.last_token_at)
+        self.last_token_at = now
+        self.num_output_tokens += num_new
+        m.generation_tokens.labels(name).inc(num_new)
+
+    def _finished_outcome(self) -> Outcome:
+        reasons = {o.finish_reason for o in self.final.outputs} if self.final else set()
+        if "abort" in reasons:
+            return "cancelled"
+        return "incomplete" if "length" in reasons else "completed"
+
+    def _record(self) -> None:
+        if self.outcome is None:
+            return
+        m, name = self.metrics, self.metrics.model_name
+        m.prompt_tokens.labels(name).inc(len(self.prompt_ids))
+        m.request_prompt_tokens.labels(name).observe(len(self.prompt_ids))
+        m.request_generation_tokens.labels(name).observe(self.num_output_tokens)
+        m.e2e.labels(name).observe(time.monotonic() - self.start)
+        if self.outcome in ("completed", "incomplete"):
+            m.request_success.labels(name, "length" if self.outcome == "incomplete" else "stop").inc()
+        elif self.outcome == "cancelled":
+            m.request_cancelled.labels(name).inc()
+        else:
+            m.request_failure.labels(name).inc()
+        tpot = self.decode_seconds_per_token()
+        if tpot is not None:
+            m.tpot.labels(name).observe(tpot)
+        spec = self.spec_counts()
+        m.spec_drafts.labels(name).inc(spec[0])
+        m.spec_draft_tokens.labels(name).inc(spec[1])
+        m.spec_accepted.labels(name).inc(spec[2])
+
+    # -- summaries -------------------------------------------------------------------------------
+    def decode_seconds_per_token(self) -> float | None:
+        """Mean seconds per output token after the first step's tokens."""
+        n = self.num_output_tokens - self._first_step_tokens
+        if n <= 0 or self.first_token_at is None or self.last_token_at is None:
+            return None
+        return (self.last_token_at - self.first_token_at) / n
+
+    def ttft_seconds(self) -> float | None:
+        m = self.final.metrics if self.final else None
+        if m is not None and m.time_to_first_token is not None:
+            return m.time_to_first_token
+        return None if self.first_token_at is None else self.first_token_at - self.start
+
+    def spec_counts(self) -> tuple[int, int, int]:
+        """(drafts, draft tokens, accepted tokens) of this request."""
+        m = self.final.metrics if self.final else None
+        if m is None:
+            return 0, 0, 0
+        return m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.final.num_cached_tokens if self.final else 0
