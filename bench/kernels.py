@@ -158,6 +158,18 @@ def _cfg_str(cfg: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in cfg.items())
 
 
+def offsets_ab(decode: dict, prefill: dict) -> dict:
+    """Time the default configs with 32-bit vs forced 64-bit KV address arithmetic."""
+    pa = sys.modules["specserve.kernels.paged_attention"]
+    res = {}
+    for bits in (32, 64):
+        pa.FORCE_64BIT_OFFSETS = bits == 64
+        res[f"decode_64x4k_ms_{bits}"] = ms(attn_fn(decode), graph=True)
+        res[f"prefill_4x2k_ms_{bits}"] = ms(attn_fn(prefill))
+    pa.FORCE_64BIT_OFFSETS = False
+    return res
+
+
 def launcher_overhead_us(b: dict) -> float:
     fn = attn_fn(b)
     fn()
@@ -189,30 +201,29 @@ def main() -> None:
                    chunk_2k_after_6k=make_batch([2048], [8192]))
     bench_prefill_case("prefill 4 x 2k (fresh)", prefill["prefill_4x2k"], rows)
     bench_prefill_case("prefill chunk 2k after 6k prefix", prefill["chunk_2k_after_6k"], rows)
-    overhead = launcher_overhead_us(cases["decode_1x32k"])
+    overhead = {name: launcher_overhead_us(cases[name]) for name in ("decode_64x4k", "decode_1x32k")}
     result = dict(env=env, copy=copy, cases=rows, launcher_host_overhead_us=overhead)
 
     if args.sweep:
         kc = K.KernelConfig
         gbps = lambda b: (lambda t: kv_bytes(b) / t / 1e6)  # noqa: E731
         tflops = lambda b: (lambda t: attn_flops(b) / t / 1e9)  # noqa: E731
-        dec = [dict(short_config=kc(16, t, w, s), num_splits=1)
-               for t in (64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
-        dec += [dict(short_config=kc(16, 32, 4, s), num_splits=1) for s in (3, 4)]
+        dec = [dict(short_config=kc(16, t, w, s), num_splits=1) for t in (64, 128) for w in (2, 4) for s in (3, 4)]
         result["sweep_decode_64x4k"] = sweep(cases["decode_64x4k"], dec, gbps(cases["decode_64x4k"]), True)
-        best = [r for r in result["sweep_decode_64x4k"] if "ms" in r][:3]
-        best_cfgs = [dec[[_cfg_str(c) for c in dec].index(r["cfg"])]["short_config"] for r in best]
-        split_cfgs = [dict(short_config=c, num_splits=s) for c in best_cfgs for s in (2, 4)]
-        result["sweep_decode_64x4k_splits"] = sweep(cases["decode_64x4k"], split_cfgs,
-                                                    gbps(cases["decode_64x4k"]), True)
         result["sweep_decode_1x32k"] = sweep(
-            cases["decode_1x32k"], [dict(short_config=c, num_splits=s) for c in best_cfgs[:2]
-                                    for s in (8, 16, 32, 64, 128)], gbps(cases["decode_1x32k"]), True)
-        ver = [dict(short_config=kc(32, t, w, s)) for t in (64, 128) for w in (4, 8) for s in (2, 3)]
+            cases["decode_1x32k"], [dict(num_splits=s) for s in (16, 32, 64, 128)], gbps(cases["decode_1x32k"]), True)
+        ver = [dict(short_config=kc(32, 128, w, s)) for w in (4, 8) for s in (2, 3)]
+        ver.append(dict(short_config=kc(32, 64, 4, 2)))
         result["sweep_verify5_64x4k"] = sweep(cases["verify5_64x4k"], ver, gbps(cases["verify5_64x4k"]), True)
+        ver9 = make_batch([9] * 64, [4096] * 64)
+        ver = [dict(short_config=kc(64, t, w, 2)) for t in (64, 128) for w in (4, 8)]
+        ver.append(dict(short_config=kc(64, 128, 4, 3)))
+        result["sweep_verify9_64x4k"] = sweep(ver9, ver, gbps(ver9), True)
+        del ver9
         pre = [dict(long_config=kc(128, t, w, s)) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
         pre += [dict(long_config=kc(64, 64, 4, s)) for s in (2, 3)]
         result["sweep_prefill_4x2k"] = sweep(prefill["prefill_4x2k"], pre, tflops(prefill["prefill_4x2k"]), False)
+        result["offsets_64bit_vs_32bit"] = offsets_ab(cases["decode_64x4k"], prefill["prefill_4x2k"])
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -224,7 +235,9 @@ def print_table(result: dict) -> None:
     env, copy = result["env"], result["copy"]
     print(f"\n{env['gpu']} ({env['sms']} SMs), torch {env['torch']}, triton {env['triton']}, {env['shape']}")
     print(f"copy ceiling: {copy['gbps']:.0f} GB/s ({copy['name']}, {copy['ms']:.3f} ms)")
-    print(f"paged_attention host launch overhead: {result['launcher_host_overhead_us']:.1f} us/call\n")
+    for name, us in result["launcher_host_overhead_us"].items():
+        print(f"paged_attention host launch overhead, {name}: {us:.1f} us/call")
+    print()
     print("| case | triton ms (eager) | triton ms (graph) | K/V GB/s | / copy | TFLOP/s | torch backend ms | SDPA ms |")
     print("|---|---|---|---|---|---|---|---|")
     for r in result["cases"]:
@@ -232,6 +245,8 @@ def print_table(result: dict) -> None:
         ratio = f"{100 * r['ratio_to_copy']:.0f}%" if "ratio_to_copy" in r else "-"
         print(f"| {r['name']} | {r['ms']:.4f} | {f('ms_graph', '.4f')} | {f('gbps', '.0f')} | {ratio} | "
               f"{f('tflops', '.0f')} | {f('torch_backend_ms', '.3f')} | {f('sdpa_ms', '.3f')} |")
+    if "offsets_64bit_vs_32bit" in result:
+        print("\n32-bit vs 64-bit KV offsets (ms):", json.dumps(result["offsets_64bit_vs_32bit"]))
     for key in [k for k in result if k.startswith("sweep_")]:
         print(f"\n{key} (best 5 of {len(result[key])}):")
         for r in result[key][:5]:

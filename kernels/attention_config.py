@@ -31,18 +31,25 @@ def select_configs(num_tokens: int, num_reqs: int, num_kv_heads: int, qpk: int, 
     qpk_pad = triton.next_power_of_2(qpk)
     wide = elem_size >= 4 or head_dim > 128  # fp32 / large heads: halve tiles to fit shared memory
     short_rows = min(64, max(16, triton.next_power_of_2(max(1, max_query_len)) * qpk_pad))
-    short = KernelConfig(block_m=short_rows, tile_n=32 if wide else 64, num_warps=4,
-                         num_stages=2 if wide else 3)
-    long = KernelConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2) if wide else \
-        KernelConfig(block_m=128, tile_n=64, num_warps=8, num_stages=3)
+    if wide:
+        short = KernelConfig(block_m=short_rows, tile_n=32, num_warps=4, num_stages=2)
+        long = KernelConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
+        return short, long, _num_splits(num_reqs * num_kv_heads, max_seq_len, num_sms)
+    if short_rows == 16:  # decode: bandwidth-bound, 2 warps keep enough loads in flight
+        short = KernelConfig(block_m=16, tile_n=64, num_warps=2, num_stages=3)
+    else:  # verification: more rows share each K/V tile, longer tiles amortise the softmax
+        short = KernelConfig(block_m=short_rows, tile_n=128, num_warps=4, num_stages=2)
+    long = KernelConfig(block_m=128, tile_n=32, num_warps=4, num_stages=2)
+    return short, long, _num_splits(num_reqs * num_kv_heads, max_seq_len, num_sms)
 
-    programs = num_reqs * num_kv_heads
+
+def _num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Split the KV range (flash-decoding) until the short launch fills the GPU, but keep splits long."""
     target = PROGRAMS_PER_SM * num_sms
-    splits = 1
-    if programs < target:
-        by_len = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
-        splits = min(MAX_SPLITS, triton.next_power_of_2(-(-target // programs)), _pow2_floor(by_len))
-    return short, long, max(1, splits)
+    if programs >= target:
+        return 1
+    by_len = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(-(-target // programs)), _pow2_floor(by_len)))
 
 
 def _pow2_floor(n: int) -> int:

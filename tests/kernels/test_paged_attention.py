@@ -188,3 +188,20 @@ def test_gpu_cuda_graph_replays_new_contents(paged_batch, close, q_len):
     num_valid = sum(q_lens)
     ref = ref_paged_attention(*[static[k] for k in ATTN_ARGS])
     close(out[:num_valid], ref[:num_valid])
+
+
+@pytest.mark.gpu
+def test_gpu_cache_over_2_31_elements_uses_64bit_offsets(paged_batch, close):
+    # 4 GiB bf16 cache: block ids near the end address past 2**31 elements
+    batch = paged_batch([1, 5, 40], [3000, 700, 100], num_heads=32, num_kv_heads=8, head_dim=128,
+                        block_size=16, dtype=torch.bfloat16, seed=7)
+    small = batch["kv_cache"]
+    num_blocks = (1 << 31) // (small[0, 0].numel()) + 64
+    big = torch.empty((2, num_blocks) + tuple(small.shape[2:]), dtype=small.dtype, device=small.device)
+    shift = num_blocks - small.shape[1]
+    big[:, shift:] = small
+    batch["kv_cache"] = big
+    batch["block_tables"] = batch["block_tables"] + shift
+    assert big.numel() >= 2**31
+    close(*run_both(batch))
+    del big
