@@ -163,19 +163,60 @@ class LLMEngine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, list(ids), child_params, self.eos_token_ids, prompt=text))
+        # n > 1: only the first child is scheduled; the prompt is prefilled once and the others fork
+        # from it at its first sample (same prompt logits, each child's own generator: seed + i)
+        children[0].forks = children[1:]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, c.sampling_params.stop_strings,
                                          c.sampling_params.include_stop_str_in_output,
                                          c.sampling_params.skip_special_tokens)
                   if self.tokenizer is not None else None for c in children]
         return _Group(request_id, text, list(ids), children, detoks, [0] * len(children))
 
-    def add_group(self, group: _Group) -> None:
-        if group.request_id in self.groups:
+    def _check_new_ids(self, group: _Group) -> None:
+        ids = [group.request_id] + [c.request_id for c in group.children]
+        if group.request_id in self.groups or any(i in self._child_to_group for i in ids):
             raise ValueError(f"request id {group.request_id!r} is already in use")
+
+    def add_group(self, group: _Group) -> None:
+        self._check_new_ids(group)
         self.groups[group.request_id] = group
         for child in group.children:
             self._child_to_group[child.request_id] = group
-            self.scheduler.add_request(child)
+        self.scheduler.add_request(group.children[0])  # the others fork from it (make_requests)
+
+    def fork_request(self, source_id: str, request_id: str | None = None,
+                     params: SamplingParams | None = None, num_tokens: int | None = None) -> str:
+        """Start a new request that continues the first `num_tokens` tokens (default: all of them) of
+        the running request `source_id` (a request id, or a child id "id#i" of an n > 1 request),
+        sharing their KV blocks by reference instead of prefilling them; the new request recomputes
+        only the last of those tokens (for its logits). Its outputs stream under the returned id like
+        any request's. Use it between `step()` calls, on the engine's thread (e.g. "regenerate from
+        turn t": fork the conversation at the end of turn t with new sampling parameters).
+        """
+        source = self.scheduler.requests.get(source_id)
+        if source is None:
+            raise ValueError(f"no unfinished request {source_id!r} to fork from")
+        params = params or SamplingParams()
+        salt = source.sampling_params.cache_salt
+        if params.cache_salt not in (None, salt):
+            raise ValueError("a fork shares its source's KV, so it keeps the source's cache_salt")
+        params = dataclasses.replace(params, cache_salt=salt)
+        num_tokens = source.num_computed_tokens if num_tokens is None else num_tokens
+        if not 0 < num_tokens <= source.num_computed_tokens:
+            raise ValueError(f"can fork 1..{source.num_computed_tokens} computed tokens of {source_id!r}, "
+                             f"not {num_tokens}")
+        ids = source.all_token_ids[:num_tokens]
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
+        group = self.make_requests(request_id, {"prompt_token_ids": ids}, params)
+        group.prompt = text
+        self._check_new_ids(group)
+        for child in group.children:
+            child.forks = []
+            child.prompt = text
+            self.scheduler.fork_request(source, child, num_tokens, num_tokens - 1)
+            self._child_to_group[child.request_id] = group
+        self.groups[group.request_id] = group
+        return group.request_id
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None) -> str:
@@ -270,8 +311,10 @@ class LLMEngine:
             "num_blocks": pool.num_blocks,
             "num_used_blocks": pool.num_used_blocks,
             "kv_cache_usage_perc": pool.usage(),
-            "prefix_cache_queries": ps.queries,
-            "prefix_cache_hits": ps.hits,
+            "num_cached_blocks": pool.num_cached_blocks,
+            "prefix_cache_queries": ps.queries,  # prompt tokens looked up at admission
+            "prefix_cache_hits": ps.hits,  # of those, tokens reused from the cache
+            "prefix_cache_hit_rate": ps.hit_rate,
             "num_evictions": pool.stats.num_evictions,
             "num_cow_copies": pool.stats.num_cow_copies,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from specserve.engine.request import Request
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import Sampler, SamplingRow
@@ -95,6 +96,7 @@ class ModelRunner:
         return cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy whole KV blocks src -> dst in every layer (all reads before writes)."""
         if not copies:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
@@ -124,15 +126,18 @@ class ModelRunner:
         if not inputs.logits_rows:
             return out
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V] fp32
-        plain = [(s, row) for s, row, count in inputs.logits_rows if not s.spec_token_ids]
+        # a request about to fork (SamplingParams.n > 1) samples each child's first token from its
+        # own logits row, with the child's own generator
+        plain = [(req, row) for s, row, count in inputs.logits_rows if not s.spec_token_ids
+                 for req in (s.request, *s.request.forks)]
         if plain:
-            rows = [self._sampling_row(s) for s, _ in plain]
+            rows = [self._sampling_row(req) for req, _ in plain]
             idx = torch.tensor([row for _, row in plain], device=self.device)
             tokens, logprobs = self.sampler(logits[idx], rows)
-            for (s, _), token, lp in zip(plain, tokens, logprobs):
-                out.sampled_token_ids[s.request.request_id] = [token]
+            for (req, _), token, lp in zip(plain, tokens, logprobs):
+                out.sampled_token_ids[req.request_id] = [token]
                 if lp is not None:
-                    out.logprobs[s.request.request_id] = [lp]
+                    out.logprobs[req.request_id] = [lp]
         verify = [(s, row, count) for s, row, count in inputs.logits_rows if s.spec_token_ids]
         if verify:
             self.rejection_sampler.verify(self, logits, verify, out)
@@ -140,8 +145,7 @@ class ModelRunner:
             out.draft_token_ids = self.proposer.propose(self, sched, inputs, hidden, out)
         return out
 
-    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
-        req = s.request
+    def _sampling_row(self, req: Request) -> SamplingRow:
         return SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                            output_token_ids=req.output_token_ids,
                            generator=self._generator(req.request_id, req.sampling_params.seed),

@@ -53,6 +53,8 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    # SamplingParams.n > 1: the other children, forked from this one when its first token is sampled
+    forks: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

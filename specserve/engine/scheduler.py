@@ -5,6 +5,8 @@ while the budget, `max_num_seqs` and free KV blocks allow. A request is just "N 
 compute": prefill chunks, prefix-cache hits, decodes and draft verification all fit that one rule.
 When a running request cannot get a block, the most recently admitted request is preempted: its
 blocks are freed (they stay in the prefix cache) and it is recomputed later, with the same output.
+A request with `SamplingParams.n > 1` is prefilled once; at its first sample it forks into its
+children, which share its prompt blocks by reference (copy-on-write, see KVCacheManager.fork).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class Scheduler:
         request.stop_reason = stop_reason
         request.finished_time = time.monotonic()
         request.spec_token_ids = []
+        request.forks = []
         self.kv.forget(req_id)
         self._finished_ids.add(req_id)
 
@@ -92,13 +95,15 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and not out.preempted_req_ids):
             request = self.waiting[0]
-            hits, num_hit = [], 0
-            if request.num_computed_tokens == 0:
-                hits, num_hit = self.kv.get_computed_blocks(
-                    request.request_id, request.all_token_ids, request.sampling_params.cache_salt)
-            num_new = min(request.num_tokens - num_hit, budget)
+            if self.running and len(self.running) + 1 + len(request.forks) > self.config.max_num_seqs:
+                break  # keep room for the children it forks into (SamplingParams.n)
+            assert request.num_computed_tokens == 0, "waiting requests hold no KV"
+            hits, num_hit = self.kv.get_computed_blocks(
+                request.request_id, request.all_token_ids, request.sampling_params.cache_salt)
+            num_new = min(request.num_tokens - num_hit, budget)  # cached tokens cost no budget
             if not self.kv.allocate_slots(request.request_id, num_hit, num_new, hits):
                 break
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -119,6 +124,10 @@ class Scheduler:
         num_spec = max(0, end - request.num_tokens)
         if num_spec < len(request.spec_token_ids):
             request.spec_token_ids = request.spec_token_ids[:num_spec]  # budget cut the drafts short
+        # Register the full blocks this step fills (known tokens only, never drafts) now, so requests
+        # admitted later in this same step already hit them (kv_cache_manager.py: the contract).
+        self.kv.cache_blocks(request.request_id, request.all_token_ids, min(end, request.num_tokens),
+                             request.sampling_params.cache_salt)
         return ScheduledRequest(request=request, start=request.num_computed_tokens, num_tokens=num_new,
                                 spec_token_ids=list(request.spec_token_ids),
                                 block_ids=self.kv.block_ids(request.request_id),
@@ -146,6 +155,7 @@ class Scheduler:
             new_ids = result.sampled_token_ids.get(request.request_id)
             if not new_ids:
                 continue
+            forked = self._fork_children(request, result) if request.forks else []
             if s.spec_token_ids:
                 accepted = result.num_accepted.get(request.request_id, len(new_ids) - 1)
                 request.num_computed_tokens -= len(s.spec_token_ids) - accepted  # roll back rejected
@@ -153,24 +163,54 @@ class Scheduler:
                 request.spec.num_draft_tokens += len(s.spec_token_ids)
                 request.spec.num_accepted_tokens += accepted
             request.spec_token_ids = []
-            if request.first_token_time is None:
-                request.first_token_time = now
-            logprobs = result.logprobs.get(request.request_id)
-            for j, token_id in enumerate(new_ids):
-                request.append_output_token(token_id)
-                if request.logprobs is not None and logprobs:
-                    request.logprobs.append(logprobs[j])
-                if self._check_stop(request, token_id):
-                    break
-            if not request.is_finished:
-                self.kv.cache_blocks(request.request_id, request.all_token_ids,
-                                     min(request.num_computed_tokens, request.num_tokens),
-                                     request.sampling_params.cache_salt)
-                drafts = result.draft_token_ids.get(request.request_id)
-                if drafts:
-                    request.spec_token_ids = drafts[:self._max_drafts(request)]
-            changed.append(request)
+            for r in (request, *forked):
+                self._append_tokens(r, result, now)
+                changed.append(r)
         return changed
+
+    def _append_tokens(self, request: Request, result: ModelRunnerOutput, now: float) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = now
+        logprobs = result.logprobs.get(request.request_id)
+        for j, token_id in enumerate(result.sampled_token_ids[request.request_id]):
+            request.append_output_token(token_id)
+            if request.logprobs is not None and logprobs:
+                request.logprobs.append(logprobs[j])
+            if self._check_stop(request, token_id):
+                return
+        drafts = result.draft_token_ids.get(request.request_id)
+        if drafts:
+            request.spec_token_ids = drafts[:self._max_drafts(request)]
+
+    # -- forks -----------------------------------------------------------------------------------
+    def fork_request(self, source: Request, child: Request, num_tokens: int, num_computed: int) -> None:
+        """Start `child` (whose tokens are the first `num_tokens` of `source`) as a running request
+        that shares source's KV blocks by reference; `num_computed` of its tokens count as computed
+        (num_tokens - 1 when child must recompute the last token for its own logits)."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        if source.status != RequestStatus.RUNNING or num_tokens > source.num_computed_tokens:
+            raise ValueError(f"request {source.request_id!r} has no KV for its first {num_tokens} tokens")
+        assert child.all_token_ids == source.all_token_ids[:num_tokens] and num_computed <= num_tokens
+        self.kv.fork(source.request_id, child.request_id, num_tokens)
+        self.requests[child.request_id] = child
+        child.num_computed_tokens = num_computed
+        child.num_cached_tokens = num_computed
+        child.first_scheduled_time = time.monotonic()
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def _fork_children(self, parent: Request, result: ModelRunnerOutput) -> list[Request]:
+        """SamplingParams.n > 1: the runner sampled every child's first token from the parent's
+        prompt logits; the children now share the parent's prompt blocks (its partial last block too).
+        Called before the parent's own token is appended (and before it may finish)."""
+        assert parent.num_computed_tokens == parent.num_tokens, "forks happen at the first sample"
+        children, parent.forks = parent.forks, []
+        for child in children:
+            assert child.request_id in result.sampled_token_ids, "the runner samples for each fork"
+            self.fork_request(parent, child, parent.num_computed_tokens, parent.num_computed_tokens)
+            child.num_cached_tokens = parent.num_cached_tokens
+        return children
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
