@@ -42,3 +42,20 @@ def test_greedy_matches_hf(tiny_model_dir, reference, engine_args):
     if "num_kv_blocks" in engine_args:
         assert llm.engine.scheduler.num_preemptions > 0, "the test meant to force preemption"
     assert llm.engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_default_model_greedy_matches_hf(default_model_dir):
+    """The real SmolLM2-135M-Instruct in fp32, mixed prompt lengths, chunked prefill and preemption."""
+    from specserve.models.loader import load_tokenizer
+    tok = load_tokenizer(default_model_dir)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
+             "1, 2, 3, 4,"]
+    prompts = [tok.encode(t) for t in texts]
+    expected = hf_greedy(default_model_dir, prompts, 16)
+    llm = LLM(str(default_model_dir), dtype="float32", device="cpu", max_num_batched_tokens=16,
+              num_kv_blocks=10, block_size=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert "Paris" in outs[0].outputs[0].text

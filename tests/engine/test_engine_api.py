@@ -1,0 +1,124 @@
+"""Engine API behaviour a user would notice: errors, abort, seeds, stop rules, async streams."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.engine.async_engine import AsyncEngine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64,
+               block_size=4)
+
+
+def test_missing_and_corrupt_model_dirs_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="model not found"):
+        LLM(str(tmp_path / "nope"), device="cpu")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(str(tmp_path), device="cpu")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_corrupt_weights_are_a_clear_error(tiny_llama_dir, tmp_path):
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, d)
+    (d / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot read weights"):
+        LLM(str(d), device="cpu", dtype="float32")
+
+
+def test_cli_errors_are_one_liners(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", "hi", "--model",
+                           str(tmp_path / "missing")], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"specserve: error: model not found: {tmp_path / 'missing'} "
+                                                "(give a HF model directory or a .gguf file)"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_prompt_longer_than_max_model_len_is_refused(llm):
+    with pytest.raises(ValueError, match="does not fit max_model_len 128"):
+        llm.generate([list(range(3, 200))], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 99999]], SamplingParams(max_tokens=4))
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_output_stops_at_max_model_len(llm):
+    out = llm.generate([list(range(3, 120))], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 128
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_reproducible_even_with_preemption(tiny_llama_dir):
+    prompts = [[3 + i, 7, 9, 11 + i] * (3 + i) for i in range(6)]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=20, ignore_eos=True)
+              for i in range(6)]
+    roomy = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=256, block_size=4)
+    tight = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=20, block_size=4)
+    a = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    b = [o.outputs[0].token_ids for o in tight.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert a == b
+    assert len({tuple(x) for x in a}) > 1
+
+
+def test_stop_token_ids_and_eos(llm):
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    ids = greedy.outputs[0].token_ids
+    stop_at = ids[3]
+    first = ids.index(stop_at)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]))[0]
+    assert out.outputs[0].token_ids == ids[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    eng.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.kv_manager.pool.num_used_blocks > 0
+    eng.abort("a")
+    eng.step()
+    assert eng.kv_manager.pool.num_used_blocks == 0 and not eng.has_unfinished()
+
+
+def test_async_engine_streams_and_cancel_frees_blocks(llm):
+    engine = AsyncEngine(llm.engine)
+
+    async def main():
+        got = []
+        async for out in engine.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)):
+            got.append(len(out.outputs[0].token_ids))
+        assert got[-1] == 12 and got == sorted(got) and len(got) > 1
+        # leave a stream early: the request is aborted and its blocks freed
+        agen = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=500, ignore_eos=True))
+        async for out in agen:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await agen.aclose()
+        for _ in range(200):
+            if engine.stats()["num_used_blocks"] == 0 and engine.stats()["num_requests_running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats()["num_used_blocks"] == 0
+        with pytest.raises(ValueError):
+            async for _ in engine.generate([], SamplingParams()):
+                pass
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
