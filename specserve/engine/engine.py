@@ -93,6 +93,8 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.loaded.model, backend, self.device, self.loaded.dtype,
                                   cc.block_size, num_blocks, seed=mc.seed)
+        if self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton":
+            self.runner.enable_cuda_graphs(max_len, config.scheduler.max_num_seqs)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}

@@ -87,6 +87,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.graphs = None  # DecodeGraphs, when CUDA graphs are enabled
         self.proposer = None  # set by the engine when speculating
         self.rejection_sampler = None
         torch.manual_seed(seed)
@@ -121,8 +122,7 @@ class ModelRunner:
             return out
         self.copy_blocks(sched.block_copies)
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.device)
-        self.backend.prepare(inputs.meta)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         if not inputs.logits_rows:
             return out
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V] fp32
@@ -144,6 +144,20 @@ class ModelRunner:
         if self.proposer is not None:
             out.draft_token_ids = self.proposer.propose(self, sched, inputs, hidden, out)
         return out
+
+    def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """Capture decode-step graphs (needs a graph-safe attention backend: triton)."""
+        from specserve.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
+                                   max_num_seqs)
+        self.graphs.capture()
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs.meta):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        self.backend.prepare(inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         return SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
