@@ -1,0 +1,139 @@
+"""End-to-end GPU benchmarks on random weights of a real shape (default Llama-3.1-8B, bf16).
+
+    python bench/gpu_e2e.py specserve --out r.json   # batch-1 decode + 256-request throughput
+    python bench/gpu_e2e.py hf --out r.json          # HF transformers generate, same shape/workload
+    python bench/gpu_e2e.py bandwidth --out r.json   # measured copy bandwidth -> batch-1 roofline
+
+Workload (both engines): `--requests` requests of `--prompt-len` random prompt tokens, exactly
+`--new-tokens` output tokens each (ignore_eos / min_new_tokens), greedy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (read + write counted), median of 10."""
+    import triton.testing
+    x = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=5, rep=50, return_mode="median")
+    return 2 * x.numel() * x.element_size() / (ms / 1e3)
+
+
+def bench_specserve(args) -> dict:
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device="cuda",
+              max_model_len=args.max_model_len, max_num_seqs=max(args.requests, 1),
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
+              enable_prefix_caching=False)
+    vocab = llm.engine.loaded.arch.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    result = {"weight_bytes": llm.engine.weight_bytes, "kv_cache_bytes": llm.engine.kv_cache_bytes,
+              "cuda_graphs": llm.engine.runner.graphs is not None,
+              "attention_backend": llm.engine.runner.backend.name}
+    llm.generate([{"prompt_token_ids": p} for p in prompts(4, args.prompt_len, vocab, 99)], params)  # warm-up
+
+    # batch 1: decode tokens/s between the first and the last token (prefill excluded), median of runs
+    rates = []
+    for r in range(args.repeats):
+        out = llm.generate([{"prompt_token_ids": prompts(1, args.prompt_len, vocab, r)[0]}], params)[0]
+        m = out.metrics
+        rates.append((args.new_tokens - 1) / (m.finished_time - m.first_token_time))
+    result["batch1_decode_tok_s"] = statistics.median(rates)
+    result["batch1_runs"] = rates
+
+    # throughput: all requests at once, output tokens / wall time
+    tps = []
+    for r in range(args.repeats):
+        batch = [{"prompt_token_ids": p} for p in prompts(args.requests, args.prompt_len, vocab, 100 + r)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == args.new_tokens for o in outs)
+        tps.append(args.requests * args.new_tokens / elapsed)
+    result["throughput_tok_s"] = statistics.median(tps)
+    result["throughput_runs"] = tps
+    return result
+
+
+def bench_hf(args) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specserve.models.loader import dummy_config_path
+    cfg = AutoConfig.from_pretrained(str(dummy_config_path(args.model)))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    vocab = cfg.vocab_size
+    result = {}
+    for batch in args.hf_batches:
+        ids = torch.tensor(prompts(batch, args.prompt_len, vocab, 7), device="cuda")
+        new = args.new_tokens if batch > 1 else min(args.new_tokens, 64)
+        gen = lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,  # noqa: E731
+                                     min_new_tokens=new, do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            model.generate(ids[:, :16], attention_mask=torch.ones_like(ids[:, :16]), max_new_tokens=4,
+                           do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            gen()
+            torch.cuda.synchronize()
+        result[f"hf_batch{batch}_tok_s"] = batch * new / (time.perf_counter() - t0)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("which", choices=["specserve", "hf", "bandwidth"])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=[256])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.which == "specserve":
+        res = bench_specserve(args)
+    elif args.which == "hf":
+        res = bench_hf(args)
+    else:
+        bw = copy_bandwidth()
+        res = {"copy_bandwidth_bytes_s": bw}
+    res.update({"which": args.which, "model": args.model, "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__, "command": " ".join(sys.argv)})
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except ImportError:
+        pass
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""On a GPU: the triton backend (with and without CUDA graphs) gives the torch backend's greedy output."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def run(model_dir, **kw):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 17, 33, 1, 64, 9, 40, 23)]
+    prompts.append(prompts[4][:48] + [7, 8, 9])  # a prefix-cache hit with a partial block
+    llm = LLM(str(model_dir), dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("chunk", [2048, 16])
+def test_triton_matches_torch_greedy_fp32(tiny_model_dir, eager, chunk):
+    expected, _ = run(tiny_model_dir, attention_backend="torch", max_num_batched_tokens=chunk)
+    got, llm = run(tiny_model_dir, attention_backend="triton", enforce_eager=eager, max_num_batched_tokens=chunk)
+    assert (llm.engine.runner.graphs is None) == eager
+    assert got == expected
