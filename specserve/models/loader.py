@@ -104,7 +104,7 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_posit
 
 
 def _init_dummy(net: LlamaForCausalLM, seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights (std 0.02) drawn on the parameters' own device: an 8B model fills in seconds on a GPU."""
     with torch.no_grad():
         for name, p in net.named_parameters():
             if "norm" in name:
@@ -112,11 +112,8 @@ def _init_dummy(net: LlamaForCausalLM, seed: int) -> None:
             if p.ndim == 1:
                 p.zero_()
                 continue
-            # random in chunks on the CPU (deterministic across devices), std 0.02
-            rows = max(1, (1 << 24) // p.shape[1])
-            for start in range(0, p.shape[0], rows):
-                chunk = torch.randn(p[start:start + rows].shape, generator=gen) * 0.02
-                p[start:start + rows].copy_(chunk)
+            gen = torch.Generator(device=p.device).manual_seed(seed + len(name))
+            p.normal_(0.0, 0.02, generator=gen)
 
 
 def _safetensors_files(path: Path) -> list[Path]:
