@@ -6,7 +6,8 @@ Cases (Llama-3.1-8B attention: 32 query heads, 8 kv heads, head_dim 128, bf16, b
 copy bandwidth (torch clone; bytes read + written) as the ceiling; paged decode at batch 64 x 4k and
 1 x 32k, k=4 verification at 64 x 4k (achieved bandwidth = K/V bytes read / time); prefill (4 fresh
 2k prompts, and a 2k chunk behind a 6k cached prefix) in TFLOP/s next to torch SDPA on contiguous
-tensors; and the torch reference backend on the same paged inputs. `--sweep` also times alternative
+tensors; and the torch reference backend on the same paged inputs. Also: the model's eager RMSNorm
+(+residual) and RoPE against the fused Triton kernels, and a host-side profile of the launcher. `--sweep` also times alternative
 kernel configs (tile, warps, stages, split-K) and records them, to re-tune attention_config.py.
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ from specserve.models.layers.torch_attn import TorchAttentionBackend  # noqa: E4
 
 H, KVH, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
 DEV = torch.device("cuda")
+LAYER_TOKENS = (64, 8192)  # a decode batch and a prefill chunk
 
 
 def ms(fn, graph: bool = False, rep: int = 100) -> float:
@@ -158,16 +160,44 @@ def _cfg_str(cfg: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in cfg.items())
 
 
-def offsets_ab(decode: dict, prefill: dict) -> dict:
-    """Time the default configs with 32-bit vs forced 64-bit KV address arithmetic."""
-    pa = sys.modules["specserve.kernels.paged_attention"]
-    res = {}
-    for bits in (32, 64):
-        pa.FORCE_64BIT_OFFSETS = bits == 64
-        res[f"decode_64x4k_ms_{bits}"] = ms(attn_fn(decode), graph=True)
-        res[f"prefill_4x2k_ms_{bits}"] = ms(attn_fn(prefill))
-    pa.FORCE_64BIT_OFFSETS = False
-    return res
+def bench_layer_ops(rows: list) -> None:
+    """Eager torch RMSNorm(+residual) and RoPE of the model (basic.py) vs the fused Triton kernels."""
+    from specserve.models.layers.basic import RMSNorm, RotaryEmbedding
+
+    hidden = H * D
+    norm = RMSNorm(hidden, 1e-5).to(DEV, DTYPE)
+    rope = RotaryEmbedding(D, 8192, 500000.0, None).to(DEV)
+    for num_tokens in LAYER_TOKENS:
+        x, res = (torch.randn(num_tokens, hidden, device=DEV, dtype=DTYPE) for _ in range(2))
+        qkv = torch.randn(num_tokens, (H + 2 * KVH) * D, device=DEV, dtype=DTYPE)
+        q = qkv[:, :H * D].view(num_tokens, H, D)
+        k = qkv[:, H * D:(H + KVH) * D].view(num_tokens, KVH, D)
+        pos = torch.randint(0, 8192, (num_tokens,), device=DEV)
+        norm_bytes = 5 * x.numel() * x.element_size()  # read x, residual; write out, residual
+        rope_bytes = 2 * (q.numel() + k.numel()) * q.element_size()
+        for name, fn_torch, fn_triton, nbytes in (
+                ("rms_norm+residual", lambda: norm(x, res), lambda: K.rms_norm(x, norm.weight, 1e-5, res), norm_bytes),
+                ("rope q+k", lambda: rope(pos, q, k), lambda: K.rotary_embedding(pos, q, k, rope.cos, rope.sin),
+                 rope_bytes)):
+            t_torch, t_triton = ms(fn_torch, graph=True), ms(fn_triton, graph=True)
+            rows.append(dict(name=f"{name} T={num_tokens}", torch_ms_graph=t_torch, triton_ms_graph=t_triton,
+                             triton_gbps=nbytes / t_triton / 1e6, speedup=t_torch / t_triton))
+
+
+def host_profile(b: dict, path: pathlib.Path) -> None:
+    import cProfile
+    import pstats
+
+    fn = attn_fn(b)
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    with path.open("w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
 
 
 def launcher_overhead_us(b: dict) -> float:
@@ -202,7 +232,10 @@ def main() -> None:
     bench_prefill_case("prefill 4 x 2k (fresh)", prefill["prefill_4x2k"], rows)
     bench_prefill_case("prefill chunk 2k after 6k prefix", prefill["chunk_2k_after_6k"], rows)
     overhead = {name: launcher_overhead_us(cases[name]) for name in ("decode_64x4k", "decode_1x32k")}
-    result = dict(env=env, copy=copy, cases=rows, launcher_host_overhead_us=overhead)
+    layer_rows: list[dict] = []
+    bench_layer_ops(layer_rows)
+    result = dict(env=env, copy=copy, cases=rows, layer_ops=layer_rows, launcher_host_overhead_us=overhead)
+    host_profile(cases["decode_1x32k"], pathlib.Path(args.out).with_suffix(".host_profile.txt"))
 
     if args.sweep:
         kc = K.KernelConfig
@@ -223,7 +256,6 @@ def main() -> None:
         pre = [dict(long_config=kc(128, t, w, s)) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
         pre += [dict(long_config=kc(64, 64, 4, s)) for s in (2, 3)]
         result["sweep_prefill_4x2k"] = sweep(prefill["prefill_4x2k"], pre, tflops(prefill["prefill_4x2k"]), False)
-        result["offsets_64bit_vs_32bit"] = offsets_ab(cases["decode_64x4k"], prefill["prefill_4x2k"])
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -245,8 +277,11 @@ def print_table(result: dict) -> None:
         ratio = f"{100 * r['ratio_to_copy']:.0f}%" if "ratio_to_copy" in r else "-"
         print(f"| {r['name']} | {r['ms']:.4f} | {f('ms_graph', '.4f')} | {f('gbps', '.0f')} | {ratio} | "
               f"{f('tflops', '.0f')} | {f('torch_backend_ms', '.3f')} | {f('sdpa_ms', '.3f')} |")
-    if "offsets_64bit_vs_32bit" in result:
-        print("\n32-bit vs 64-bit KV offsets (ms):", json.dumps(result["offsets_64bit_vs_32bit"]))
+    print("\n| layer op (CUDA graph) | torch eager ms | triton ms | triton GB/s | speedup |")
+    print("|---|---|---|---|---|")
+    for r in result["layer_ops"]:
+        print(f"| {r['name']} | {r['torch_ms_graph']:.4f} | {r['triton_ms_graph']:.4f} | {r['triton_gbps']:.0f} | "
+              f"{r['speedup']:.1f}x |")
     for key in [k for k in result if k.startswith("sweep_")]:
         print(f"\n{key} (best 5 of {len(result[key])}):")
         for r in result[key][:5]:

@@ -1,7 +1,7 @@
 """Launch choices for the paged attention kernels: tile shapes, warps, pipeline depth, split-K factor.
 
 Everything here is a pure function of python ints, so the choice is the same at CUDA-graph capture
-and at replay. Numbers come from bench/kernels.py on an H200 (see bench/results/kernels_gpu.md).
+and at replay. Choices come from the sweeps of `bench/kernels.py --sweep` on an H200 (bench/results/kernels_gpu.md).
 """
 from __future__ import annotations
 
@@ -37,9 +37,11 @@ def select_configs(num_tokens: int, num_reqs: int, num_kv_heads: int, qpk: int, 
         return short, long, _num_splits(num_reqs * num_kv_heads, max_seq_len, num_sms)
     if short_rows == 16:  # decode: bandwidth-bound, 2 warps keep enough loads in flight
         short = KernelConfig(block_m=16, tile_n=64, num_warps=2, num_stages=3)
-    else:  # verification: more rows share each K/V tile, longer tiles amortise the softmax
-        short = KernelConfig(block_m=short_rows, tile_n=128, num_warps=4, num_stages=2)
-    long = KernelConfig(block_m=128, tile_n=32, num_warps=4, num_stages=2)
+    elif short_rows == 32:  # verification of ~1+4 tokens: longer tiles amortise the softmax
+        short = KernelConfig(block_m=32, tile_n=128, num_warps=4, num_stages=2)
+    else:
+        short = KernelConfig(block_m=short_rows, tile_n=64, num_warps=4, num_stages=2)
+    long = KernelConfig(block_m=128, tile_n=64, num_warps=4, num_stages=3)
     return short, long, _num_splits(num_reqs * num_kv_heads, max_seq_len, num_sms)
 
 

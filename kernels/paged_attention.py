@@ -29,15 +29,13 @@ from specserve.kernels.attention_config import KernelConfig, select_configs
 
 LOG2E = 1.4426950408889634
 M_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(M_INIT - M_INIT) stays 1, never NaN
-FORCE_64BIT_OFFSETS = False  # benchmark knob: 64-bit KV offsets even when the cache is under 2**31 elements
 
 
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len, row_pos, scale_log2,
                  stride_ckv, stride_cb, stride_cs, stride_ch,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                 OFFSETS_64: tl.constexpr):
+                 HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """One KV tile of the online softmax; MASKED tiles check causality and the context end."""
     offs_n = tile * TILE_N + tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -46,8 +44,7 @@ def _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len
         blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
     else:
         blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
-    if OFFSETS_64:  # int32 address math is cheaper; only caches of >= 2**31 elements need int64
-        blk = blk.to(tl.int64)
+    blk = blk.to(tl.int64)  # caches can pass 2**31 elements (int32 offsets measured no faster on H200)
     kv_off = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     kv_ptrs = cache_ptr + kv_off[:, None] + offs_d[None, :]  # [TILE_N, HEAD_DIM_PAD]
     if MASKED:
@@ -89,7 +86,7 @@ def _paged_attention_kernel(
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PER_REQUEST: tl.constexpr, SKIP_Q_LEN: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, OFFSETS_64: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,13 +146,11 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len,
                                      row_pos, scale_log2, stride_ckv, stride_cb, stride_cs, stride_ch,
-                                     BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, INPUT_PRECISION,
-                                     OFFSETS_64)
+                                     BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, INPUT_PRECISION)
     for tile in range(tl.maximum(tile_lo, num_full), tile_hi):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len,
                                      row_pos, scale_log2, stride_ckv, stride_cb, stride_cs, stride_ch,
-                                     BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, INPUT_PRECISION,
-                                     OFFSETS_64)
+                                     BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, INPUT_PRECISION)
 
     out_mask = row_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
@@ -288,8 +283,7 @@ def paged_attention(
     head_dim_pad = triton.next_power_of_2(head_dim)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     common = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-                  HEAD_DIM_PAD=head_dim_pad, INPUT_PRECISION=precision,
-                  OFFSETS_64=FORCE_64BIT_OFFSETS or kv_cache.numel() >= 2**31)
+                  HEAD_DIM_PAD=head_dim_pad, INPUT_PRECISION=precision)
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0),
                kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0))
     scale_log2 = float(scale) * LOG2E
