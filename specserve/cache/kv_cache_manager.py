@@ -119,15 +119,19 @@ class KVCacheManager:
                        computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
         """Make room for tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
 
-        `computed_blocks` (prefix-cache hits, at admission only) are appended first. Every block the
-        new tokens will be written into that another request also holds is replaced by a private copy
-        (copy-on-write), so afterwards the blocks this request writes have ref_cnt 1. Returns False,
-        changing nothing, when the pool has too few free blocks.
+        `computed_blocks` (prefix-cache hits, at admission only) are appended first. A block the new
+        tokens will be written into is replaced by a private copy first (copy-on-write) when another
+        request also holds it, or when it is in the hash index under other content than this request's
+        own registered prefix (a fork that shares part of a full cached block): indexed blocks are
+        never overwritten with different tokens. Afterwards the blocks this request writes have
+        ref_cnt 1. Returns False, changing nothing, when the pool has too few free blocks.
         """
         assert num_computed_tokens >= 0 and num_new_tokens >= 0
         blocks = self.req_blocks.get(req_id, [])
         assert not (blocks and computed_blocks), "prefix hits are only taken at admission"
         table = list(computed_blocks) if computed_blocks else blocks
+        # blocks [0, num_own) hold this request's own tokens in full (rewriting one is a no-op)
+        num_own = len(table) if computed_blocks else self.req_num_cached.get(req_id, 0)
         bs = self.block_size
         end = num_computed_tokens + num_new_tokens
         num_needed = max(0, cdiv(end, bs) - len(table))
@@ -135,7 +139,7 @@ class KVCacheManager:
         pending = 1 if computed_blocks else 0
         cow = [] if num_new_tokens == 0 else [
             i for i in range(num_computed_tokens // bs, min(cdiv(end, bs), len(table)))
-            if table[i].ref_cnt + pending > 1]
+            if table[i].ref_cnt + pending > 1 or (table[i].is_cached and i >= num_own)]
         num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed + len(cow) + num_free_hits > self.pool.num_free_blocks:
             return False
@@ -155,8 +159,9 @@ class KVCacheManager:
         blocks = self.req_blocks[req_id]
         src = blocks[index]
         (dst,) = self.pool.get_new_blocks(1)
+        # An unshared source (an indexed block) goes back to the free queue, still indexed; the copy
+        # reads it before anything of this step's forward can write it.
         self.pool.free_blocks([src])
-        assert src.ref_cnt > 0, "copy-on-write source must stay held by its other owner"
         blocks[index] = dst
         self._copies.append((src.block_id, dst.block_id))
         self.pool.stats.num_cow_copies += 1
