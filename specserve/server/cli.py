@@ -169,7 +169,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn_config(app, settings, args.log_level))
     print(f"specserve: serving {name} on http://{settings.host}:{settings.port} (loading the model...)",
           file=sys.stderr, flush=True)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has already shut down gracefully and re-raised it
+        pass
+    print("specserve: stopped", file=sys.stderr, flush=True)
     if failures:
         print(f"specserve: error: loading the model failed: {failures[0]}", file=sys.stderr)
         return 1

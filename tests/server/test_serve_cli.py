@@ -1,0 +1,111 @@
+"""`specserve serve`: flag precedence (command line > YAML > SPECSERVE_* env > defaults), the shipped
+presets, and the real command in a subprocess."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from specserve.cli import build_parser, engine_kwargs
+from specserve.config import engine_config_from_args
+from specserve.server.cli import load_yaml_config, resolve_serve_args
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _resolve(argv: list[str], env: dict[str, str]):
+    args = build_parser().parse_args(["serve", *argv])
+    return resolve_serve_args(args, env)
+
+
+def test_precedence_command_line_over_yaml_over_env_over_defaults(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("port: 8500\nmax-model-len: 512\napi_key: from-yaml\nenable-prefix-caching: false\n"
+                   "kv-cache-memory: 64M\nspeculative-config: {method: ngram, num_speculative_tokens: 2}\n")
+    env = {"SPECSERVE_PORT": "7000", "SPECSERVE_HOST": "0.0.0.0", "SPECSERVE_MAX_MODEL_LEN": "1024",
+           "SPECSERVE_MAX_NUM_SEQS": "8", "SPECSERVE_API_KEY": "from-env"}
+    a = _resolve(["--port", "9000", "--config", str(cfg)], env)
+    assert a.port == 9000  # command line
+    assert a.max_model_len == 512 and a.api_key == "from-yaml" and a.enable_prefix_caching is False  # YAML
+    assert a.kv_cache_memory == 64 << 20
+    assert a.host == "0.0.0.0" and a.max_num_seqs == 8  # environment
+    assert a.dtype == "auto" and a.block_size == 16 and a.model is None  # defaults
+    config = engine_config_from_args(model=a.model, **engine_kwargs(a))
+    assert config.spec.num_speculative_tokens == 2 and config.cache.enable_prefix_caching is False
+
+
+def test_env_and_yaml_values_are_checked(tmp_path):
+    assert _resolve([], {"SPECSERVE_ENABLE_PREFIX_CACHING": "off", "SPECSERVE_MODEL": "m"}).model == "m"
+    assert _resolve([], {"SPECSERVE_ENABLE_PREFIX_CACHING": "off"}).enable_prefix_caching is False
+    assert _resolve(["--enable-prefix-caching"], {"SPECSERVE_ENABLE_PREFIX_CACHING": "0"}).enable_prefix_caching
+    with pytest.raises(ValueError, match="SPECSERVE_PORT"):
+        _resolve([], {"SPECSERVE_PORT": "eighty"})
+    with pytest.raises(ValueError, match="SPECSERVE_DTYPE"):
+        _resolve([], {"SPECSERVE_DTYPE": "float8"})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prot: 80\n")
+    with pytest.raises(ValueError, match="unknown key 'prot'"):
+        load_yaml_config(bad)
+    bad.write_text("port: [1, 2]\n")
+    with pytest.raises(ValueError, match="port"):
+        load_yaml_config(bad)
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_presets_build_valid_configs(preset):
+    a = _resolve(["--config", str(CONFIGS / preset)], {})
+    config = engine_config_from_args(model=a.model, **engine_kwargs(a))
+    assert a.host == "127.0.0.1"
+    if "spec" in preset:
+        assert config.spec is not None and config.spec.method == "draft_model"
+        assert config.model.load_format == "dummy" and config.device == "cuda"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_specserve_serve_subprocess(tiny_chat_dir, tmp_path):
+    port = _free_port()
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"port: {port}\ndtype: float32\ndevice: cpu\nnum-kv-blocks: 32\nserved-model-name: tiny-cli\n")
+    env = dict(os.environ, SPECSERVE_API_KEY="k1", SPECSERVE_PORT="1")  # YAML's port wins over the env's
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", str(tiny_chat_dir), "--config", str(cfg)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        denied = httpx.post(url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+        ok = httpx.post(url + "/v1/completions", json={"model": "tiny-cli", "prompt": "ab", "max_tokens": 2,
+                                                       "ignore_eos": True},
+                        headers={"Authorization": "Bearer k1"}, timeout=60)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert denied.status_code == 401
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert proc.returncode == 0, out
+    assert f"serving tiny-cli on http://127.0.0.1:{port}" in out and "is ready" in out and "stopped" in out
+
+
+def test_serve_reports_bad_flags_before_listening(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "serve", "--block-size", "3", "--port",
+                           str(_free_port())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "block_size" in proc.stderr
