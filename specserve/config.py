@@ -82,8 +82,13 @@ class SpecConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = True
-    # Benchmarks only: force this per-token acceptance probability (random-weight models accept nothing).
+    # BENCHMARKS ONLY: accept each draft token with this probability whatever the models say (random
+    # weights accept nothing). Output is then no longer the target's: greedy identity does not hold.
     simulated_acceptance: float | None = None
+    # Adaptive k (specserve/spec/adaptive.py): tokens per forward where the target turns compute bound
+    # (None = the device's default) and one draft-model step in target steps (None = parameter ratio).
+    compute_bound_tokens: int | None = None
+    draft_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -98,6 +103,10 @@ class SpecConfig:
             raise ValueError(f"draft quantization {self.quantization!r} is not supported")
         if self.simulated_acceptance is not None and not 0.0 <= self.simulated_acceptance <= 1.0:
             raise ValueError("simulated_acceptance must be in [0, 1]")
+        if self.compute_bound_tokens is not None and self.compute_bound_tokens < 1:
+            raise ValueError(f"compute_bound_tokens must be >= 1, got {self.compute_bound_tokens}")
+        if self.draft_cost is not None and self.draft_cost < 0:
+            raise ValueError(f"draft_cost must be >= 0, got {self.draft_cost}")
 
     @classmethod
     def parse(cls, value: str | dict | SpecConfig | None) -> SpecConfig | None:

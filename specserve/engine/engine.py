@@ -20,6 +20,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import LoadedModel, load_model
 from specserve.sampling_params import SamplingParams
+from specserve.spec.metrics import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,22 @@ class LLMEngine:
         logger.info("loaded %s (%s, %.2f GB of weights) in %.1fs", model_path, self.loaded.dtype,
                     self.weight_bytes / 1e9, time.perf_counter() - t0)
 
+        self.proposer = None  # speculative decoding: the draft source (specserve.spec)
+        if config.spec is not None:
+            from specserve.spec import build_proposer
+            self.proposer = build_proposer(
+                config.spec, target=self.loaded, device=self.device, seed=mc.seed,
+                max_positions=mc.max_model_len or arch.max_position_embeddings,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+        self.spec_stats = SpecDecodingStats(config.spec.num_speculative_tokens if config.spec else 0)
+
         max_len = mc.max_model_len or arch.max_position_embeddings
         if max_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's {arch.max_position_embeddings}")
         cc = config.cache
         block_bytes = ModelRunner.kv_bytes_per_block(arch, cc.block_size, self.loaded.dtype)
+        if self.proposer is not None:  # a draft model's KV lives in the same blocks
+            block_bytes += self.proposer.kv_bytes_per_block(cc.block_size)
         num_blocks = cc.num_kv_blocks or self._auto_num_blocks(block_bytes, max_len)
         if num_blocks * cc.block_size < max_len:
             if mc.max_model_len:
@@ -89,10 +101,18 @@ class LLMEngine:
         identity = (self.loaded.path, str(self.loaded.dtype), mc.quantization or "")
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                          extra_keys=identity)
+        if self.proposer is not None and self.proposer.cache_identity:
+            self.kv_manager.add_extra_keys(self.proposer.cache_identity)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         backend = get_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.loaded.model, backend, self.device, self.loaded.dtype,
                                   cc.block_size, num_blocks, seed=mc.seed)
+        if self.proposer is not None:
+            from specserve.spec import RejectionSampler
+            self.proposer.bind(self.runner, max_len)
+            self.runner.proposer = self.proposer
+            self.runner.rejection_sampler = RejectionSampler(config.spec.simulated_acceptance, seed=mc.seed)
+            self.scheduler.num_lookahead_tokens = self.proposer.num_lookahead_tokens
         if self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton":
             self.runner.enable_cuda_graphs(max_len, config.scheduler.max_num_seqs)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
@@ -241,6 +261,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
+        self.spec_stats.observe(sched, result)
         changed = self.scheduler.update_from_output(sched, result)
         touched: dict[str, _Group] = {}
         for request in changed:
@@ -320,4 +341,5 @@ class LLMEngine:
             "num_evictions": pool.stats.num_evictions,
             "num_cow_copies": pool.stats.num_cow_copies,
             "num_preemptions": self.scheduler.num_preemptions,
+            **self.spec_stats.as_dict(),
         }

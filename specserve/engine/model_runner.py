@@ -25,6 +25,33 @@ class StepInputs:
     logits_rows: list[tuple[ScheduledRequest, int, int]]  # (request, first logits row, count)
 
 
+def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+                   device: torch.device, pad_block_table_to: int = 0) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions [num_tokens] and attention metadata of a flat ragged batch: request i computes the
+    last query_lens[i] of its seq_lens[i] tokens, whose KV lives in the blocks tables[i]."""
+    num_reqs = len(query_lens)
+    max_blocks = max(max(len(t) for t in tables), pad_block_table_to)
+    block_tables = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    q_lens = torch.tensor(query_lens, dtype=torch.int32)
+    cu = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    cu[1:] = q_lens.cumsum(0)
+    s_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    num_tokens = int(cu[-1])
+    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens.long())
+    positions = (torch.arange(num_tokens) - cu[:-1].long()[req_of_token]
+                 + (s_lens - q_lens).long()[req_of_token])
+    slots = (block_tables[req_of_token, positions // block_size].long() * block_size
+             + positions % block_size)
+    meta = AttentionMetadata(
+        num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), query_start_loc=cu.to(device), seq_lens=s_lens.to(device),
+        block_tables=block_tables.to(device), slot_mapping=slots.to(device),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, extra={"block_size": block_size})
+    return positions.to(device), meta
+
+
 def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
                       pad_block_table_to: int = 0) -> StepInputs:
     """Flat token ids / positions / slots and the attention metadata of one step."""
@@ -45,27 +72,9 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device
             end = len(input_ids)
             logits_rows.append((s, len(logits_idx), count))
             logits_idx += range(end - count, end)
-    num_reqs = len(scheduled)
-    max_blocks = max(max(len(t) for t in tables), pad_block_table_to)
-    block_tables = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    q_lens = torch.tensor(query_lens, dtype=torch.int32)
-    cu = torch.zeros(num_reqs + 1, dtype=torch.int32)
-    cu[1:] = q_lens.cumsum(0)
-    s_lens = torch.tensor(seq_lens, dtype=torch.int32)
-    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens.long())
-    positions = (torch.arange(len(input_ids)) - cu[:-1].long()[req_of_token]
-                 + (s_lens - q_lens).long()[req_of_token])
-    slots = (block_tables[req_of_token, positions // block_size].long() * block_size
-             + positions % block_size)
-    meta = AttentionMetadata(
-        num_reqs=num_reqs, num_tokens=len(input_ids), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_start_loc=cu.to(device), seq_lens=s_lens.to(device),
-        block_tables=block_tables.to(device), slot_mapping=slots.to(device),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, extra={"block_size": block_size})
+    positions, meta = batch_metadata(query_lens, seq_lens, tables, block_size, device, pad_block_table_to)
     return StepInputs(input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
-                      positions=positions.to(device), meta=meta,
+                      positions=positions, meta=meta,
                       logits_indices=torch.tensor(logits_idx, dtype=torch.long).to(device),
                       logits_rows=logits_rows)
 
@@ -88,7 +97,9 @@ class ModelRunner:
                                     cfg.head_dim, dtype=dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.graphs = None  # DecodeGraphs, when CUDA graphs are enabled
-        self.proposer = None  # set by the engine when speculating
+        # every tensor indexed by block id in dim 2 (the target's KV, a draft model's KV): CoW copies all
+        self.block_tensors: list[torch.Tensor] = [self.kv_cache]
+        self.proposer = None  # set by the engine when speculating (specserve.spec.Proposer)
         self.rejection_sampler = None
         torch.manual_seed(seed)
 
@@ -102,7 +113,8 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        for t in self.block_tensors:
+            t[:, :, dst] = t[:, :, src]
 
     def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -117,14 +129,21 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids:
             self.generators.pop(req_id, None)
+        if self.proposer is not None:
+            self.proposer.begin_step(sched)
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out
         self.copy_blocks(sched.block_copies)
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.device)
         hidden = self._forward(inputs)
-        if not inputs.logits_rows:
-            return out
+        if inputs.logits_rows:
+            self._sample(inputs, hidden, out)
+        if self.proposer is not None:  # also without logits: a draft model follows every prefill chunk
+            out.draft_token_ids = self.proposer.propose(self, sched, inputs, hidden, out)
+        return out
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V] fp32
         # a request about to fork (SamplingParams.n > 1) samples each child's first token from its
         # own logits row, with the child's own generator
@@ -141,9 +160,6 @@ class ModelRunner:
         verify = [(s, row, count) for s, row, count in inputs.logits_rows if s.spec_token_ids]
         if verify:
             self.rejection_sampler.verify(self, logits, verify, out)
-        if self.proposer is not None:
-            out.draft_token_ids = self.proposer.propose(self, sched, inputs, hidden, out)
-        return out
 
     def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """Capture decode-step graphs (needs a graph-safe attention backend: triton)."""

@@ -29,6 +29,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        # KV slots past the scheduled tokens a speculative proposer writes (a draft model's own drafts)
+        self.num_lookahead_tokens = 0
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -80,7 +82,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens,
+                                             self._with_lookahead(request.num_computed_tokens, num_new)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.add(victim.request_id)
@@ -101,7 +104,8 @@ class Scheduler:
             hits, num_hit = self.kv.get_computed_blocks(
                 request.request_id, request.all_token_ids, request.sampling_params.cache_salt)
             num_new = min(request.num_tokens - num_hit, budget)  # cached tokens cost no budget
-            if not self.kv.allocate_slots(request.request_id, num_hit, num_new, hits):
+            if not self.kv.allocate_slots(request.request_id, num_hit,
+                                          self._with_lookahead(num_hit, num_new), hits):
                 break
             self.kv.record_prefix_lookup(request.num_tokens, num_hit)
             self.waiting.popleft()
@@ -118,6 +122,11 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         return out
+
+    def _with_lookahead(self, num_computed: int, num_new: int) -> int:
+        """Slots to allocate for `num_new` tokens: plus the proposer's lookahead, within max_model_len."""
+        room = self.config.max_model_len - num_computed
+        return max(num_new, min(num_new + self.num_lookahead_tokens, room))
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         end = request.num_computed_tokens + num_new

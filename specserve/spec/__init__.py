@@ -1,0 +1,85 @@
+"""Speculative decoding: proposers (n-gram lookup, draft model), adaptive k, the rejection sampler.
+
+The engine builds a proposer with `build_proposer` and a `RejectionSampler`, and hands both to the
+model runner; see docs/speculative.md for the whole picture.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specserve.config import SpecConfig
+from specserve.models.loader import LoadedModel
+from specserve.spec.adaptive import AdaptiveK
+from specserve.spec.proposer import Proposer
+from specserve.spec.rejection import RejectionSampler
+
+__all__ = ["AdaptiveK", "Proposer", "RejectionSampler", "build_proposer", "check_same_vocab",
+           "default_compute_bound_tokens"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def default_compute_bound_tokens(device: torch.device) -> int:
+    """Tokens per forward past which the target stops being bound by weight reads (the ridge point
+    of the hardware, measured: docs/speculative.md). Override with speculative_config
+    {"compute_bound_tokens": N}."""
+    return 128 if device.type == "cuda" else 8
+
+
+def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft must speak the target's tokens: same vocabulary size and, when both ship a
+    tokenizer, the same token -> id map."""
+    if draft.arch.vocab_size != target.arch.vocab_size:
+        raise ValueError(f"draft model {draft.path} has a vocabulary of {draft.arch.vocab_size} tokens but the "
+                         f"target {target.path} has {target.arch.vocab_size}: the draft must use the "
+                         "target's tokenizer")
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise ValueError(f"draft model {draft.path} has a different tokenizer than the target "
+                             f"{target.path} (same size, other tokens): the draft must use the target's tokenizer")
+
+
+def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.device, max_positions: int,
+                   max_num_batched_tokens: int, seed: int = 0, draft_model=None) -> Proposer:
+    """The proposer for `spec`. For a draft model, `draft_model` may be an already-built module of
+    our family (e.g. the target's weights quantized); otherwise `spec.model` is loaded."""
+    policy = AdaptiveK(spec.num_speculative_tokens, adaptive=spec.adaptive,
+                       compute_bound_tokens=spec.compute_bound_tokens or default_compute_bound_tokens(device))
+    if spec.method == "ngram":
+        from specserve.spec.ngram import NgramProposer
+
+        return NgramProposer(policy, prompt_lookup_min=spec.prompt_lookup_min,
+                             prompt_lookup_max=spec.prompt_lookup_max,
+                             max_num_batched_tokens=max_num_batched_tokens)
+    from specserve.spec.draft_model import DraftModelProposer
+
+    if draft_model is not None:
+        module, identity = draft_model, (spec.model or "module", spec.quantization or "")
+    elif spec.model.lower().startswith("self"):  # the target's own weights (specserve.quant)
+        from specserve.quant.self_draft import build_self_draft
+
+        module = build_self_draft(target.model, spec.quantization)
+        identity = ("self", target.path, spec.quantization or "")
+    else:
+        from specserve.models.loader import load_model
+
+        loaded = load_model(spec.model, dtype=_DTYPE_NAMES[target.dtype], device=device,
+                            load_format=spec.load_format, max_positions=max_positions, seed=seed,
+                            quantization=spec.quantization)
+        check_same_vocab(target, loaded)
+        module, identity = loaded.model, (loaded.path, str(loaded.dtype), spec.quantization or "",
+                                          spec.load_format)
+    if module.cfg.vocab_size != target.arch.vocab_size:
+        raise ValueError(f"the draft has {module.cfg.vocab_size} tokens, the target {target.arch.vocab_size}")
+    # cost of one draft step relative to a target step: weight bytes read, when memory bound
+    policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else \
+        module.cfg.num_params / target.arch.num_params
+    logger.info("draft model %s: %.0fM params, draft step ~%.2f target steps", spec.model,
+                module.cfg.num_params / 1e6, policy.draft_cost)
+    return DraftModelProposer(module, policy, identity=identity, dtype=target.dtype,
+                              num_speculative_tokens=spec.num_speculative_tokens,
+                              max_num_batched_tokens=max_num_batched_tokens)

@@ -1,0 +1,164 @@
+"""Adaptive speculation length: how many drafts each request gets next step (0 = do not speculate).
+
+Speculation pays when the extra verification tokens are nearly free (the target forward is bound
+by reading weights, not by compute) and drafts are likely accepted. The cost model is deterministic,
+so the same inputs always give the same k (greedy output never depends on k anyway):
+
+- a target forward over N tokens costs `max(1, N / compute_bound_tokens)` steps: flat while memory
+  bound, linear once the batch saturates compute;
+- each autoregressive draft-model step costs `draft_cost` target steps (0 for n-gram lookup);
+- request r accepts a draft (given the previous one was accepted) with probability alpha_r,
+  estimated per request from its verifications (decayed counts plus a prior), so its j-th draft
+  adds alpha_r ** j expected tokens.
+
+`plan` adds (request, j) drafts in order of decreasing alpha_r ** j while the expected tokens per
+unit of time improve. At high concurrency the batch alone saturates compute and every k is 0:
+speculation switches itself off instead of slowing the server down.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+    from specserve.engine.request import Request
+
+
+@dataclass(slots=True)
+class _Estimate:
+    accepted: float = 0.0  # decayed count of accepted drafts
+    tried: float = 0.0  # decayed count of drafts that were reached (all before a rejection, and it)
+
+
+class AdaptiveK:
+    def __init__(self, max_k: int, *, adaptive: bool = True, compute_bound_tokens: int = 128,
+                 draft_cost: float = 0.0, prior: float = 0.6, prior_weight: float = 1.0,
+                 decay: float = 0.8, min_gain: float = 0.05) -> None:
+        if compute_bound_tokens < 1:
+            raise ValueError(f"compute_bound_tokens must be >= 1, got {compute_bound_tokens}")
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.compute_bound_tokens = compute_bound_tokens
+        self.draft_cost = draft_cost
+        self.prior, self.prior_weight = prior, prior_weight
+        self.decay = decay
+        self.min_gain = min_gain
+        self._est: dict[str, _Estimate] = {}
+
+    def acceptance(self, req_id: str) -> float:
+        """Estimated probability that the request's next draft token is accepted."""
+        e = self._est.get(req_id)
+        if e is None:
+            return self.prior
+        return (e.accepted + self.prior * self.prior_weight) / (e.tried + self.prior_weight)
+
+    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verification: `num_accepted` of `num_drafts` drafts accepted (a prefix)."""
+        if num_drafts <= 0:
+            return
+        e = self._est.setdefault(req_id, _Estimate())
+        e.accepted = self.decay * e.accepted + num_accepted
+        e.tried = self.decay * e.tried + min(num_accepted + 1, num_drafts)
+
+    def remove(self, req_id: str) -> None:
+        self._est.pop(req_id, None)
+
+    def _step_cost(self, num_tokens: int, num_draft_steps: int) -> float:
+        return max(1.0, num_tokens / self.compute_bound_tokens) + num_draft_steps * self.draft_cost
+
+    def plan(self, rooms: dict[str, int], num_base_tokens: int, max_spec_tokens: int) -> dict[str, int]:
+        """k per request. rooms: req_id -> most drafts it may take (max_tokens / max_model_len);
+        num_base_tokens: tokens the next step computes without drafts; max_spec_tokens: budget left."""
+        if not self.adaptive:
+            return {r: max(0, min(self.max_k, room)) for r, room in rooms.items()}
+        ks = dict.fromkeys(rooms, 0)
+        if max_spec_tokens <= 0:
+            self._rest(rooms)
+            return ks
+        candidates = []  # (gain, order, req_id, j)
+        for order, (req_id, room) in enumerate(rooms.items()):
+            alpha = self.acceptance(req_id)
+            gain = 1.0
+            for j in range(1, min(self.max_k, room) + 1):
+                gain *= alpha
+                if gain < self.min_gain:
+                    break
+                candidates.append((-gain, order, req_id, j))
+        candidates.sort()
+        tokens, num_spec, num_steps = float(len(rooms)), 0, 0
+        cost = self._step_cost(num_base_tokens, 0)
+        for neg_gain, _, req_id, j in candidates:
+            if num_spec >= max_spec_tokens:
+                break
+            if ks[req_id] != j - 1:
+                continue  # an earlier draft of this request was not worth it: neither is this one
+            new_cost = self._step_cost(num_base_tokens + num_spec + 1, max(num_steps, j))
+            if (tokens - neg_gain) * cost < tokens * new_cost:
+                continue
+            tokens -= neg_gain
+            cost = new_cost
+            num_spec += 1
+            num_steps = max(num_steps, j)
+            ks[req_id] = j
+        self._rest({r: 0 for r, k in ks.items() if k == 0})
+        return ks
+
+    def _rest(self, req_ids) -> None:
+        """Requests that do not speculate drift back to the prior (so they get tried again)."""
+        for req_id in req_ids:
+            e = self._est.get(req_id)
+            if e is not None:
+                e.accepted *= self.decay
+                e.tried *= self.decay
+
+
+@dataclass(slots=True)
+class DraftSlot:
+    """A request that sampled this step, and how many drafts it gets for the next one."""
+
+    sched: ScheduledRequest
+    new_ids: list[int]  # tokens sampled this step (not yet appended to the request)
+    k: int
+
+
+def plan_step(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput, max_model_len: int,
+              max_num_batched_tokens: int) -> list[DraftSlot]:
+    """Record this step's verifications in `policy`, then give each sampled request its k."""
+    slots: list[DraftSlot] = []
+    rooms: dict[str, int] = {}
+    num_base = 0
+    for s in sched.scheduled:
+        req = s.request
+        new_ids = out.sampled_token_ids.get(req.request_id)
+        if not new_ids:
+            num_base += s.num_tokens  # a prefill chunk: the next step likely has one too
+            continue
+        if s.spec_token_ids:
+            policy.observe(req.request_id, len(s.spec_token_ids),
+                           out.num_accepted.get(req.request_id, len(new_ids) - 1))
+        num_base += 1
+        slots.append(DraftSlot(s, new_ids, 0))
+        rooms[req.request_id] = _room(req, new_ids, max_model_len)
+    if not slots:
+        return slots
+    ks = policy.plan(rooms, num_base, max_num_batched_tokens - num_base)
+    for slot in slots:
+        slot.k = ks[slot.sched.request.request_id]
+    return slots
+
+
+def _room(req: Request, new_ids: list[int], max_model_len: int) -> int:
+    """Most drafts worth proposing: never past max_tokens / max_model_len (as the scheduler caps
+    them), none when the last new token ends the request."""
+    params = req.sampling_params
+    num_tokens = req.num_tokens + len(new_ids)
+    num_output = req.num_output_tokens + len(new_ids)
+    room = max_model_len - num_tokens
+    if params.max_tokens is not None:
+        room = min(room, params.max_tokens - num_output)
+    last = new_ids[-1]
+    if num_output >= params.min_tokens and (last in params.stop_token_ids
+                                            or (not params.ignore_eos and last in req.eos_token_ids)):
+        return 0
+    return max(0, room - 1)

@@ -1,0 +1,209 @@
+"""Draft-model proposer: a smaller causal LM of our family (same tokenizer) drafts k tokens.
+
+KV layout. The draft keeps its own KV tensor `[num_layers, 2, num_blocks, block_size, kv_heads,
+head_dim]` over the SAME block ids as the target: a request's block table addresses the target's
+KV and the draft's KV for the same tokens, copy-on-write copies both (the runner's
+`block_tensors`), and a prefix-cache hit skips the draft's prefill as well as the target's. For
+that to hold, the draft runs over every token the target computes, in the same step (prefill chunks
+included): a block registered in the prefix index always holds the draft's KV for its tokens too.
+
+Bookkeeping. Per request, `_computed[req_id]` = the draft's KV is valid for positions
+[0, n). Each step the draft
+  1. catches up, in ONE ragged forward over all scheduled requests, from n to the target's
+     verified end (plus the newest sampled token for requests that get drafts); rejected drafts
+     need no cleanup: n = min(n, verified) and their slots are simply written again;
+  2. proposes k tokens autoregressively for the requests the adaptive policy picked (the first
+     comes from the catch-up forward), writing its own drafts' KV into the lookahead slots the
+     scheduler allocated (`num_lookahead_tokens`).
+
+When the policy gives every request k = 0 (a batch that saturates compute), the draft does not run
+at all and falls behind; it catches up in one batched forward when speculation resumes. Blocks the
+target wrote meanwhile are marked stale (`_stale[block_id]`), so a prefix hit on them does not
+trust the draft's KV there and the draft recomputes those positions for the new request.
+
+Random (non-greedy) requests sample their drafts from q = probs_for(draft logits) with the
+request's temperature / top-k / top-p and generator; q is kept for the rejection sampler.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from specserve.engine.model_runner import batch_metadata
+from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from specserve.models.llama import LlamaForCausalLM
+from specserve.sample.sampler import draw, probs_for
+from specserve.spec.adaptive import AdaptiveK, DraftSlot, plan_step
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModelProposer:
+    def __init__(self, model: LlamaForCausalLM, policy: AdaptiveK, *, identity: tuple, dtype: torch.dtype,
+                 num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+        """`model`: a loaded draft (or an already-built one, e.g. the target's weights quantized);
+        `identity`: what distinguishes its KV in the prefix-cache hash (path, dtype, quantization)."""
+        self.model = model
+        self.policy = policy
+        self.dtype = dtype  # KV dtype: the target's activation dtype
+        self.cache_identity = ("draft", *identity)
+        self.num_lookahead_tokens = num_speculative_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = 0
+        self.kv_cache: torch.Tensor | None = None
+        self._computed: dict[str, int] = {}
+        self._probs: dict[str, torch.Tensor | None] = {}  # q of the current drafts; None = greedy
+        self._stale = np.zeros(0, dtype=bool)
+        self.block_size = 0
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.model.cfg.kv_bytes_per_token(elem) * block_size
+
+    def bind(self, runner, max_model_len: int) -> None:
+        cfg = self.model.cfg
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, runner.num_blocks, runner.block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=self.dtype, device=runner.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        runner.block_tensors.append(self.kv_cache)  # copy-on-write copies the draft's KV too
+        self.model.backend = runner.backend
+        self.block_size = runner.block_size
+        self.max_model_len = max_model_len
+        self._stale = np.zeros(runner.num_blocks, dtype=bool)
+
+    def begin_step(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self._computed.pop(req_id, None)  # a preempted request starts over (from its prefix hits)
+            self._probs.pop(req_id, None)
+        for req_id in sched.finished_req_ids:
+            self.policy.remove(req_id)
+        for src, dst in sched.block_copies:
+            self._stale[dst] = self._stale[src]
+
+    def draft_probs(self, req_id: str) -> torch.Tensor | None:
+        assert req_id in self._probs, f"{req_id} has drafts the draft model did not propose"
+        return self._probs[req_id]
+
+    # -- the step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, runner, sched: SchedulerOutput, inputs, hidden: torch.Tensor,
+                out: ModelRunnerOutput) -> dict[str, list[int]]:
+        slots = {s.sched.request.request_id: s for s in
+                 plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens)}
+        for req_id in slots:
+            self._probs.pop(req_id, None)  # its drafts were verified (or it gets none)
+        run = any(s.k > 0 for s in slots.values())
+        segments = []  # (scheduled, first position to compute, verified end, slot if it sampled)
+        for s in sched.scheduled:
+            slot = slots.get(s.request.request_id)
+            verified = s.request.num_tokens + len(slot.new_ids) - 1 if slot else s.start + s.num_tokens
+            done = self._computed.get(s.request.request_id)
+            if done is None:
+                done = self._trusted_prefix(s)
+            done = min(done, verified)
+            if not run:  # falling behind: blocks the target wrote without the draft are stale
+                self._computed[s.request.request_id] = done
+                self._mark(s.block_ids, done, verified, stale=True)
+            else:
+                segments.append((s, done, verified, slot))
+        if not run:
+            return {}
+        drafts = self._run(runner, segments)
+        for s, done, verified, _ in segments:
+            self._mark(s.block_ids, done, verified, stale=False)
+        return drafts
+
+    def _trusted_prefix(self, s: ScheduledRequest) -> int:
+        """A request new to the draft (admitted, re-admitted, forked) starts at its prefix hit,
+        short of the first block whose draft KV is stale."""
+        n = -(-s.start // self.block_size)
+        stale = np.flatnonzero(self._stale[s.block_ids[:n]])
+        return min(s.start, int(stale[0]) * self.block_size) if len(stale) else s.start
+
+    def _mark(self, block_ids: list[int], start: int, end: int, stale: bool) -> None:
+        if end > start:
+            self._stale[block_ids[start // self.block_size:-(-end // self.block_size)]] = stale
+
+    def _run(self, runner, segments: list[tuple]) -> dict[str, list[int]]:
+        """Catch-up forward over all segments (first drafts from its logits), then k - 1 more steps."""
+        device = runner.device
+        input_ids: list[int] = []
+        query_lens, seq_lens, tables, last_rows = [], [], [], []
+        proposing: list[DraftSlot] = []
+        ends: list[int] = []  # per proposing request: context length (its last token is new)
+        for s, done, verified, slot in segments:
+            drafting = slot is not None and slot.k > 0
+            end = verified + 1 if drafting else verified  # a drafting request feeds its newest token
+            self._computed[s.request.request_id] = end
+            if end <= done:
+                continue
+            input_ids += _context(s.request, slot.new_ids if slot else [], done, end)
+            query_lens.append(end - done)
+            seq_lens.append(end)
+            tables.append(s.block_ids)
+            if drafting:
+                last_rows.append(len(input_ids) - 1)
+                proposing.append(slot)
+                ends.append(end)
+        if not query_lens:
+            return {}
+        hidden = self._forward(input_ids, query_lens, seq_lens, tables, runner.block_size, device)
+        if not proposing:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=device)])  # [P, V]
+        ks = [slot.k for slot in proposing]
+        max_k = max(ks)
+        tokens = torch.zeros(len(proposing), max_k, dtype=torch.long, device=device)  # [P, K]
+        probs: list[list[torch.Tensor]] = [[] for _ in proposing]
+        active = list(range(len(proposing)))
+        for j in range(max_k):
+            if j > 0:  # feed draft j-1 at position end - 1 + j
+                active = [i for i in active if ks[i] > j]
+                hidden = self._forward(tokens[active, j - 1], [1] * len(active),
+                                       [ends[i] + j for i in active],
+                                       [proposing[i].sched.block_ids for i in active],
+                                       runner.block_size, device)
+                logits = self.model.compute_logits(hidden)
+            tokens[active, j] = self._sample(runner, logits, [proposing[i] for i in active],
+                                             [probs[i] for i in active])
+        drafts: dict[str, list[int]] = {}
+        for i, (slot, row) in enumerate(zip(proposing, tokens.tolist())):
+            req_id = slot.sched.request.request_id
+            drafts[req_id] = row[:ks[i]]
+            self._computed[req_id] = ends[i] + ks[i] - 1  # its last draft's KV is not written
+            self._probs[req_id] = torch.stack(probs[i]) if probs[i] else None
+        return drafts
+
+    def _forward(self, input_ids, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                 block_size: int, device: torch.device) -> torch.Tensor:
+        """input_ids: list or [T] tensor -> draft hidden states [T, hidden]."""
+        positions, meta = batch_metadata(query_lens, seq_lens, tables, block_size, device)
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, device=device)
+        self.model.backend.prepare(meta)
+        return self.model(ids, positions, self.kv_caches, meta)
+
+    @staticmethod
+    def _sample(runner, logits: torch.Tensor, slots: list[DraftSlot], probs: list[list[torch.Tensor]]
+                ) -> torch.Tensor:
+        """One draft token per row of logits [N, V]; random requests keep the q they drew from."""
+        params = [slot.sched.request.sampling_params for slot in slots]
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1)
+        q = probs_for(logits, params)  # [N, V], one-hot for greedy rows
+        gens = [None if p.greedy else runner._generator(slot.sched.request.request_id, p.seed)
+                for slot, p in zip(slots, params)]
+        out = draw(q, gens)
+        for i, p in enumerate(params):
+            if not p.greedy:
+                probs[i].append(q[i])
+        return out
+
+
+def _context(req, new_ids: list[int], start: int, end: int) -> list[int]:
+    """Tokens [start, end) of the request's context after this step (`new_ids` appended)."""
+    num = req.num_tokens
+    if end <= num:
+        return req.all_token_ids[start:end]
+    return req.all_token_ids[start:] + new_ids[max(0, start - num):end - num]

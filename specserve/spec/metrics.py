@@ -1,0 +1,43 @@
+"""Engine-wide speculative decoding counters (vLLM's spec_decode_* names)."""
+from __future__ import annotations
+
+from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class SpecDecodingStats:
+    """Drafts verified, draft tokens, accepted tokens, and accepted tokens per draft position
+    (position j counts the verifications that accepted at least j + 1 drafts: gpt-fast's histogram
+    of accepted lengths, as a tail sum)."""
+
+    def __init__(self, max_k: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * max_k
+
+    def observe(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        for s in sched.scheduled:
+            num_accepted = result.num_accepted.get(s.request.request_id)
+            if not s.spec_token_ids or num_accepted is None:
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += len(s.spec_token_ids)
+            self.num_accepted_tokens += num_accepted
+            for j in range(num_accepted):
+                self.accepted_per_pos[j] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verification step: 1 (the target's own token) + accepted drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def as_dict(self) -> dict:
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
+                                            if self.num_draft_tokens else None),
+            "spec_decode_mean_acceptance_length": self.mean_acceptance_length,
+        }

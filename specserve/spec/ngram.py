@@ -1,0 +1,114 @@
+"""N-gram prompt lookup: draft the tokens that followed the last occurrence of the current suffix.
+
+No model, no KV: for each request, find the longest n-gram (prompt_lookup_max down to
+prompt_lookup_min tokens) that ends the context and occurred earlier in prompt + output, and propose
+the k tokens that followed it. Works well when the output copies its input (code edits, summaries,
+retrieval, repetitive text). Drafts are deterministic: the rejection sampler treats q as one-hot.
+
+Each request's context lives in a growing numpy buffer (appended to, never rebuilt), and the
+search is vectorised over candidate positions: a few numpy calls per request per step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from specserve.engine.request import Request
+from specserve.spec.adaptive import AdaptiveK, plan_step
+
+
+def find_ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Drafts for the context `tokens` ([L] int64): the tokens that followed the longest earlier
+    occurrence (>= min_n tokens) of the context's suffix. Among equally long matches, prefer one
+    followed by k tokens, then the most recent. Returns [<= k] (empty: no match)."""
+    length = len(tokens)
+    if length < 2 or k <= 0:
+        return tokens[:0]
+    # candidate match ends: earlier positions holding the last token
+    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+    if len(ends) == 0:
+        return tokens[:0]
+    match = np.ones(len(ends), dtype=np.int64)  # matched suffix length per candidate
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, min(max_n, length - 1)):
+        prev = ends - j
+        ok = alive & (prev >= 0)
+        ok[ok] = tokens[prev[ok]] == tokens[length - 1 - j]
+        match += ok
+        alive = ok
+        if not alive.any():
+            break
+    best = match.max()
+    if best < min_n:
+        return tokens[:0]
+    cands = ends[match == best]
+    full = cands[cands + k < length]  # followed by k tokens
+    start = (full[-1] if len(full) else cands[-1]) + 1
+    return tokens[start:start + k]
+
+
+class _Context:
+    """A request's token ids in a numpy buffer that grows by appending."""
+
+    __slots__ = ("buf", "length")
+
+    def __init__(self) -> None:
+        self.buf = np.empty(256, dtype=np.int64)
+        self.length = 0
+
+    def sync(self, req: Request, new_ids: list[int]) -> np.ndarray:
+        """Bring the buffer to `req.all_token_ids + new_ids` (an extension of what it holds)."""
+        have, num = self.length, req.num_tokens
+        tail = (req.all_token_ids[have:] + new_ids) if have <= num else new_ids[have - num:]
+        end = have + len(tail)
+        if end > len(self.buf):
+            grown = np.empty(max(2 * len(self.buf), end), dtype=np.int64)
+            grown[:have] = self.buf[:have]
+            self.buf = grown
+        self.buf[have:end] = tail
+        self.length = end
+        return self.buf[:end]
+
+
+class NgramProposer:
+    num_lookahead_tokens = 0
+    cache_identity = None
+
+    def __init__(self, policy: AdaptiveK, *, prompt_lookup_min: int, prompt_lookup_max: int,
+                 max_num_batched_tokens: int) -> None:
+        self.policy = policy
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+        self.max_model_len = 0  # set by bind()
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._contexts: dict[str, _Context] = {}
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def bind(self, runner, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+
+    def begin_step(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self._contexts.pop(req_id, None)
+            self.policy.remove(req_id)
+
+
+    def propose(self, runner, sched: SchedulerOutput, inputs, hidden: torch.Tensor,
+                out: ModelRunnerOutput) -> dict[str, list[int]]:
+        drafts: dict[str, list[int]] = {}
+        for slot in plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens):
+            if slot.k <= 0:
+                continue
+            req = slot.sched.request
+            ctx = self._contexts.get(req.request_id)
+            if ctx is None:
+                ctx = self._contexts[req.request_id] = _Context()
+            found = find_ngram_drafts(ctx.sync(req, slot.new_ids), self.min_n, self.max_n, slot.k)
+            if len(found):
+                drafts[req.request_id] = found.tolist()
+        return drafts
+
+    def draft_probs(self, req_id: str) -> torch.Tensor | None:
+        return None
