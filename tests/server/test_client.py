@@ -97,3 +97,16 @@ def test_read_timeout_when_the_server_goes_quiet():
 
     err, waited = asyncio.run(main())
     assert err.code == "timeout" and 0.15 < waited < 5
+
+
+def test_chat_repl(tiny_server):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "chat", "--url", tiny_server.ws, "--max-tokens",
+                           "5", "--temperature", "0", "--stats"], input="hello\n/reset\nagain\n/exit\n",
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "connected to tiny" in proc.stderr
+    assert proc.stderr.count("[5 tokens, TTFT") == 2 and "incomplete" in proc.stderr
+    assert len(proc.stdout.splitlines()) >= 2  # the two streamed replies
