@@ -19,6 +19,7 @@ import pathlib
 import sys
 import time
 import types
+from functools import partial
 
 import torch
 
@@ -115,8 +116,8 @@ def attn_flops(b: dict) -> float:
 
 def bench_copy() -> dict:
     x = torch.randn(1 << 30, device=DEV, dtype=DTYPE)  # 2 GiB
-    t = ms(lambda: x.clone())
-    del x
+    t = ms(x.clone)
+    x = None
     torch.cuda.empty_cache()
     return dict(name="copy 2 GiB (torch clone)", ms=t, gbps=2 * 2 * (1 << 30) / t / 1e6)
 
@@ -176,8 +177,9 @@ def bench_layer_ops(rows: list) -> None:
         norm_bytes = 4 * x.numel() * x.element_size()  # read x, residual; write out, residual
         rope_bytes = 2 * (q.numel() + k.numel()) * q.element_size()
         for name, fn_torch, fn_triton, nbytes in (
-                ("rms_norm+residual", lambda: norm(x, res), lambda: K.rms_norm(x, norm.weight, 1e-5, res), norm_bytes),
-                ("rope q+k", lambda: rope(pos, q, k), lambda: K.rotary_embedding(pos, q, k, rope.cos, rope.sin),
+                ("rms_norm+residual", partial(norm, x, res), partial(K.rms_norm, x, norm.weight, 1e-5, res),
+                 norm_bytes),
+                ("rope q+k", partial(rope, pos, q, k), partial(K.rotary_embedding, pos, q, k, rope.cos, rope.sin),
                  rope_bytes)):
             t_torch, t_triton = ms(fn_torch, graph=True), ms(fn_triton, graph=True)
             rows.append(dict(name=f"{name} T={num_tokens}", torch_ms_graph=t_torch, triton_ms_graph=t_triton,
@@ -273,7 +275,9 @@ def print_table(result: dict) -> None:
     print("| case | triton ms (eager) | triton ms (graph) | K/V GB/s | / copy | TFLOP/s | torch backend ms | SDPA ms |")
     print("|---|---|---|---|---|---|---|---|")
     for r in result["cases"]:
-        f = lambda k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
+        def f(key: str, fmt: str, r: dict = r) -> str:
+            return format(r[key], fmt) if key in r else "-"
+
         ratio = f"{100 * r['ratio_to_copy']:.0f}%" if "ratio_to_copy" in r else "-"
         print(f"| {r['name']} | {r['ms']:.4f} | {f('ms_graph', '.4f')} | {f('gbps', '.0f')} | {ratio} | "
               f"{f('tflops', '.0f')} | {f('torch_backend_ms', '.3f')} | {f('sdpa_ms', '.3f')} |")

@@ -184,7 +184,7 @@ def _paged_attention_reduce_kernel(
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_valid = offs_d < HEAD_DIM
-    for i in range(0, q_len):
+    for i in range(q_len):
         token = (q_start + i).to(tl.int64)
         part = (token * num_heads + head) * NUM_SPLITS + offs_s  # [NUM_SPLITS]
         m = tl.load(part_m_ptr + part)
@@ -343,9 +343,8 @@ def ref_paged_attention(
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """The oracle: a plain loop over requests, fp32 math, output in query's dtype."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    qpk = num_heads // num_kv_heads
+    qpk = query.shape[1] // num_kv_heads
     out = torch.zeros_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -364,4 +363,4 @@ def ref_paged_attention(
     return out
 
 
-__all__ = ["paged_attention", "ref_paged_attention", "KernelConfig"]
+__all__ = ["KernelConfig", "paged_attention", "ref_paged_attention"]
