@@ -7,6 +7,20 @@ from typing import Any
 import torch
 from torch import nn
 
+_FUSED: tuple | None = None
+
+
+def fused_ops() -> tuple | None:
+    """The Triton RMSNorm / RoPE kernels, or None where Triton is missing (CUDA tensors only)."""
+    global _FUSED
+    if _FUSED is None:
+        try:
+            from specserve.kernels import rms_norm, rotary_embedding
+            _FUSED = (rms_norm, rotary_embedding)
+        except ImportError:
+            _FUSED = ()
+    return _FUSED or None
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -17,6 +31,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With `residual`: returns (norm(x + residual), x + residual)."""
+        if x.is_cuda and (fused := fused_ops()) is not None:
+            return fused[0](x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -63,6 +79,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, H, D]; k: [T, KVH, D]."""
+        if q.is_cuda and (fused := fused_ops()) is not None:
+            return fused[1](positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
