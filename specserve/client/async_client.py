@@ -151,7 +151,9 @@ class AsyncClient:
             first = parse_server_event(await asyncio.wait_for(self._ws.recv(), self.connect_timeout))
         except asyncio.TimeoutError:
             await self._ws.close()
-            raise SpecserveError("timeout", "the server sent no session.created") from None
+            hint = "" if self.api_key else " (does the server need an API key?)"
+            raise SpecserveError("timeout", f"the server sent no session.created within {self.connect_timeout}s"
+                                 f"{hint}") from None
         except ConnectionClosed as e:
             raise SpecserveError("connection_closed", f"the server closed the connection: {e}") from None
         if isinstance(first, ErrorEvent):

@@ -72,11 +72,12 @@ def test_websocket_key_in_header_or_first_message(keyed_server):
 
 
 def test_client_reports_key_problems(keyed_server):
-    with pytest.raises(SpecserveError) as no_key:
-        Client(keyed_server.ws)
+    with pytest.raises(SpecserveError) as no_key:  # the server waits for a session.auth that never comes
+        Client(keyed_server.ws, connect_timeout=0.5)
     with pytest.raises(SpecserveError) as bad_key:
         Client(keyed_server.ws, api_key="nope")
-    assert no_key.value.code == bad_key.value.code == "invalid_api_key"
+    assert no_key.value.code == "timeout" and "API key" in no_key.value.message
+    assert bad_key.value.code == "invalid_api_key"
     for auth_in_message in (False, True):
         with Client(keyed_server.ws, api_key=KEY, auth_in_message=auth_in_message) as client:
             assert client.generate([5, 6], max_output_tokens=2, ignore_eos=True).usage.output_tokens == 2
