@@ -39,13 +39,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--quantization", choices=["bitsandbytes-int8", "bitsandbytes-nf4"], default=None)
+    g.add_argument("--quantize-embeddings", action="store_true", default=None,
+                   help="with --quantization: also quantize the embeddings and lm_head")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    s.add_argument("--draft-model", default=None)
+    s.add_argument("--draft-model", default=None,
+                   help="a draft model path, or self / self-int8 / self-nf4 (the target's weights)")
     s.add_argument("--num-speculative-tokens", type=int, default=None)
     s.add_argument("--draft-quantization", choices=["bitsandbytes-int8", "bitsandbytes-nf4"], default=None)
     s.add_argument("--draft-load-format", choices=LOAD_FORMATS, default=None)
@@ -53,9 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_DESTS = ["dtype", "device", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
-                "enable_prefix_caching", "quantization", "attention_backend", "enforce_eager", "seed",
-                "speculative_config", "draft_model", "num_speculative_tokens", "draft_quantization",
-                "draft_load_format"]
+                "enable_prefix_caching", "quantization", "quantize_embeddings", "attention_backend",
+                "enforce_eager", "seed", "speculative_config", "draft_model", "num_speculative_tokens",
+                "draft_quantization", "draft_load_format"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -23,6 +23,7 @@ class ModelConfig:
     load_format: str = "auto"
     max_model_len: int | None = None  # None = the model's own limit
     quantization: str | None = None
+    quantize_embeddings: bool = False  # with `quantization`: also the embeddings and lm_head
     seed: int = 0
     tokenizer: str | None = None
 
@@ -34,6 +35,8 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization {self.quantization!r} is not one of bitsandbytes-int8, bitsandbytes-nf4")
+        if self.quantize_embeddings and not self.quantization:
+            raise ValueError("quantize_embeddings needs --quantization bitsandbytes-int8 or bitsandbytes-nf4")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -101,6 +104,10 @@ class SpecConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"draft quantization {self.quantization!r} is not supported")
+        if self.method == "draft_model":
+            from specserve.quant.self_draft import is_self_draft, parse_self_draft
+            if is_self_draft(self.model):  # the target's own weights: self-nf4 -> quantization nf4
+                self.quantization = parse_self_draft(self.model, self.quantization)
         if self.simulated_acceptance is not None and not 0.0 <= self.simulated_acceptance <= 1.0:
             raise ValueError("simulated_acceptance must be in [0, 1]")
         if self.compute_bound_tokens is not None and self.compute_bound_tokens < 1:
@@ -143,7 +150,8 @@ class EngineConfig:
 
 
 # Engine arguments (CLI long flags with underscores) -> where they live in EngineConfig.
-_MODEL_KEYS = {"model", "dtype", "load_format", "max_model_len", "quantization", "seed", "tokenizer"}
+_MODEL_KEYS = {"model", "dtype", "load_format", "max_model_len", "quantization", "quantize_embeddings",
+               "seed", "tokenizer"}
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                "enable_prefix_caching"}
 _SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens"}

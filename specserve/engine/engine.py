@@ -19,6 +19,7 @@ from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import LoadedModel, load_model
+from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, format_bytes, weight_memory
 from specserve.sampling_params import SamplingParams
 from specserve.spec.metrics import SpecDecodingStats
 
@@ -51,6 +52,13 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def _quant_note(method: str | None, mem: WeightMemory) -> str:
+    if not method:
+        return ""
+    return (f"; {method}: {mem.num_quantized_layers} quantized layers {format_bytes(mem.quantized)} incl. "
+            f"scales, unquantized {format_bytes(mem.unquantized)}")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -63,13 +71,17 @@ class LLMEngine:
             model_path = str(ensure_default_model())
         self.loaded: LoadedModel = load_model(
             model_path, dtype=mc.dtype, device=self.device, load_format=mc.load_format,
-            max_positions=mc.max_model_len, seed=mc.seed, quantization=mc.quantization)
+            max_positions=mc.max_model_len, seed=mc.seed, quantization=mc.quantization,
+            quantize_embeddings=mc.quantize_embeddings)
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.model_name = model_path
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
-        logger.info("loaded %s (%s, %.2f GB of weights) in %.1fs", model_path, self.loaded.dtype,
-                    self.weight_bytes / 1e9, time.perf_counter() - t0)
+        # quantized storage counted as stored (int8 / packed nf4 + their scales), tied weights once
+        self.weight_memory = weight_memory(self.loaded.model)
+        self.weight_bytes = self.weight_memory.total
+        logger.info("loaded %s (%s, %s of weights%s) in %.1fs", model_path, self.loaded.dtype,
+                    format_bytes(self.weight_bytes),
+                    _quant_note(self.loaded.quantization, self.weight_memory), time.perf_counter() - t0)
 
         self.proposer = None  # speculative decoding: the draft source (specserve.spec)
         if config.spec is not None:
@@ -98,7 +110,7 @@ class LLMEngine:
         config.scheduler.max_model_len = max_len
         self.kv_cache_bytes = num_blocks * block_bytes
 
-        identity = (self.loaded.path, str(self.loaded.dtype), mc.quantization or "")
+        identity = (self.loaded.path, str(self.loaded.dtype), self.loaded.quantization or "")
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                          extra_keys=identity)
         if self.proposer is not None and self.proposer.cache_identity:
@@ -118,8 +130,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
-        logger.info("KV cache: %d blocks x %d tokens (%.2f GB), max_model_len %d, attention %s",
-                    num_blocks, cc.block_size, self.kv_cache_bytes / 1e9, max_len, backend.name)
+        logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, attention %s",
+                    num_blocks, cc.block_size, format_bytes(self.kv_cache_bytes), max_len, backend.name)
 
     def _auto_num_blocks(self, block_bytes: int, max_len: int) -> int:
         if self.device.type == "cuda":
@@ -130,6 +142,7 @@ class LLMEngine:
             # activations of one step: hidden/qkv/mlp intermediates and the fp32 logits
             act = sc.max_num_batched_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * 4
             act += sc.max_num_seqs * 8 * arch.vocab_size * 4
+            act += dequant_workspace_bytes(self.loaded.model, self.loaded.dtype)  # bnb 4-bit matmuls
             budget = total * self.config.cache.gpu_memory_utilization - used - act
         else:
             budget = self.config.cache.kv_cache_memory

@@ -80,8 +80,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> fp32 logits [N, vocab_size]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:  # a module: nn.Linear, or a quantized head (specserve.quant)
+            return self.lm_head(hidden).float()
+        return nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     # -- weights ---------------------------------------------------------------------------------
     _STACKED = {  # HF name fragment -> (our param fragment, shard index)

@@ -34,6 +34,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     path: str  # where it was loaded from (identity for the prefix-cache hash)
     dtype: torch.dtype
+    quantization: str | None = None  # bitsandbytes method the weights are stored in
 
 
 def resolve_dtype(dtype: str, arch: ArchConfig) -> torch.dtype:
@@ -57,37 +58,66 @@ def dummy_config_path(model: str) -> Path:
 
 
 def load_model(model: str, *, dtype: str = "auto", device: torch.device, load_format: str = "auto",
-               max_positions: int | None = None, seed: int = 0, quantization: str | None = None) -> LoadedModel:
+               max_positions: int | None = None, seed: int = 0, quantization: str | None = None,
+               quantize_embeddings: bool = False) -> LoadedModel:
+    """`quantization` (bitsandbytes-int8 / -nf4): the model is built and filled on the CPU and each
+    layer quantized onto `device` (specserve.quant); a pre-quantized checkpoint sets it itself."""
+    quant = {"quantization": quantization, "quantize_embeddings": quantize_embeddings}
     if load_format == "dummy":
         arch = load_arch_config(dummy_config_path(model))
         weights, tok_dir = None, Path(model) if Path(model).is_dir() else None
     else:
         path = Path(model)
         if path.is_file() and path.suffix == ".gguf":
-            return _load_gguf(path, dtype=dtype, device=device, max_positions=max_positions,
-                              quantization=quantization)
+            return _load_gguf(path, dtype=dtype, device=device, max_positions=max_positions, **quant)
         if not path.exists():
             raise ValueError(f"model not found: {model} (give a HF model directory or a .gguf file)")
         if not path.is_dir():
             raise ValueError(f"model {model} is neither a directory nor a .gguf file")
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and ggufs:
-            return _load_gguf(ggufs[0], dtype=dtype, device=device, max_positions=max_positions,
-                              quantization=quantization)
+            return _load_gguf(ggufs[0], dtype=dtype, device=device, max_positions=max_positions, **quant)
         arch = load_arch_config(path / "config.json")
         weights, tok_dir = _safetensors_files(path), path
+    prequantized = bool(arch.raw.get("quantization_config"))
+    if prequantized or quantization:
+        from specserve.quant.checkpoint import checkpoint_quantization
+        quantization = quant["quantization"] = checkpoint_quantization(arch.raw, quantization, str(model))
     torch_dtype = resolve_dtype(dtype, arch)
-    net = _build(arch, torch_dtype, device, max_positions, seed)
+    build_on = _build_device(device, torch_dtype, model, dummy=weights is None, **quant)
+    net = _build(arch, torch_dtype, build_on, max_positions, seed)
     if weights is None:
         _init_dummy(net, seed)
     else:
-        net.load_weights(_iter_safetensors(weights, device))
+        tensors = _iter_safetensors(weights, device)
+        if prequantized:
+            from specserve.quant.checkpoint import dequantize_bnb_tensors
+            tensors = dequantize_bnb_tensors(tensors)
+        net.load_weights(tensors)
     tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
     eos = _eos_ids(arch, tok_dir, tokenizer)
+    _quantize(net, device, **quant)
+    return LoadedModel(net.eval(), arch, tokenizer, eos, str(model), torch_dtype, quantization)
+
+
+def _build_device(device: torch.device, dtype: torch.dtype, model: str, *, quantization: str | None,
+                  quantize_embeddings: bool, dummy: bool = False) -> torch.device:
+    """Where to build the float model: the CPU when it is quantized onto `device` afterwards, so the
+    device never holds the float copy (dummy weights are drawn fast on the device, then quantized)."""
+    if not quantization:
+        return device
+    from specserve.quant import check_supported
+    from specserve.quant.checkpoint import warn_if_requantizing
+    check_supported(quantization, device, dtype)  # fail before the slow part
+    warn_if_requantizing(model, quantization)
+    return device if dummy else torch.device("cpu")
+
+
+def _quantize(net: LlamaForCausalLM, device: torch.device, *, quantization: str | None,
+              quantize_embeddings: bool) -> None:
     if quantization:
         from specserve.quant import quantize_model
-        quantize_model(net, quantization)
-    return LoadedModel(net.eval(), arch, tokenizer, eos, str(model), torch_dtype)
+        quantize_model(net, quantization, device=device, quantize_embeddings=quantize_embeddings)
 
 
 def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None,
@@ -181,18 +211,18 @@ def _eos_ids(arch: ArchConfig, path: Path | None, tokenizer) -> list[int]:
 
 
 def _load_gguf(file: Path, *, dtype: str, device: torch.device, max_positions: int | None,
-               quantization: str | None) -> LoadedModel:
+               quantization: str | None, quantize_embeddings: bool) -> LoadedModel:
     """GGUF via transformers (dequantized to float), then into our model."""
+    quant = {"quantization": quantization, "quantize_embeddings": quantize_embeddings}
     hf_model, tokenizer = load_gguf_as_hf(file)
     arch = parse_arch_config(hf_model.config.to_dict(), str(file))
     torch_dtype = resolve_dtype(dtype, arch)
-    net = _build(arch, torch_dtype, device, max_positions, 0)
+    build_on = _build_device(device, torch_dtype, str(file), **quant)
+    net = _build(arch, torch_dtype, build_on, max_positions, 0)
     net.load_weights(hf_model.state_dict().items())
     eos = sorted(set(arch.eos_token_ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])))
-    if quantization:
-        from specserve.quant import quantize_model
-        quantize_model(net, quantization)
-    return LoadedModel(net.eval(), arch, tokenizer, eos, str(file), torch_dtype)
+    _quantize(net, device, **quant)
+    return LoadedModel(net.eval(), arch, tokenizer, eos, str(file), torch_dtype, quantization)
 
 
 def load_gguf_as_hf(file: Path):

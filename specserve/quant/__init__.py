@@ -1,8 +1,45 @@
-"""Quantized weights (bitsandbytes)."""
+"""Quantized weights (bitsandbytes int8 / nf4): quantize-on-load, pre-quantized checkpoints,
+quantized self-drafts, and weight memory accounting. See docs/quantization.md.
+
+bitsandbytes is imported only when a model is quantized (it is an optional dependency).
+"""
 from __future__ import annotations
 
+import logging
+
+import torch
 from torch import nn
 
+from specserve.quant.bnb import INT8, METHODS, NF4, check_supported
+from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, weight_bytes, weight_memory
 
-def quantize_model(model: nn.Module, method: str) -> None:
-    raise ValueError(f"quantization {method!r} is not available yet")
+logger = logging.getLogger(__name__)
+
+__all__ = ["INT8", "METHODS", "NF4", "WeightMemory", "check_supported", "dequant_workspace_bytes",
+           "quantize_model", "weight_bytes", "weight_memory"]
+
+
+def quantize_model(model: nn.Module, method: str, *, device: torch.device | None = None,
+                   quantize_embeddings: bool = False) -> nn.Module:
+    """Quantize `model`'s projections in place with `method` and put the whole model on `device`.
+
+    The model may sit on the CPU (the loader's quantize-on-load path: each layer is quantized as it
+    moves, so `device` never holds the float copy) or already on `device`. Embeddings and lm_head
+    stay in the model dtype unless `quantize_embeddings`. Returns the model, in eval mode.
+    """
+    first = next(model.parameters())
+    device = torch.device(device) if device is not None else first.device
+    dtype = first.dtype
+    check_supported(method, device, dtype)
+    from specserve.quant.bnb import move_unquantized, quantize_linears
+
+    num = quantize_linears(model, method, device, dtype)
+    if quantize_embeddings:
+        from specserve.quant.vocab import quantize_vocab
+        quantize_vocab(model, method, device, dtype)
+    move_unquantized(model, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the freed float weights back, so the KV cache can take them
+    logger.info("quantized %d linear layers%s with %s", num,
+                " and the embeddings / lm_head" if quantize_embeddings else "", method)
+    return model.eval()
