@@ -78,7 +78,8 @@ class LLMEngine:
         self.model_name = model_path
         # quantized storage counted as stored (int8 / packed nf4 + their scales), tied weights once
         self.weight_memory = weight_memory(self.loaded.model)
-        self.weight_bytes = self.weight_memory.total
+        self.weight_bytes = self.weight_memory.total  # + the draft's own weights, below
+        self.draft_weight_bytes = 0
         logger.info("loaded %s (%s, %s of weights%s) in %.1fs", model_path, self.loaded.dtype,
                     format_bytes(self.weight_bytes),
                     _quant_note(self.loaded.quantization, self.weight_memory), time.perf_counter() - t0)
@@ -90,6 +91,12 @@ class LLMEngine:
                 config.spec, target=self.loaded, device=self.device, seed=mc.seed,
                 max_positions=mc.max_model_len or arch.max_position_embeddings,
                 max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+            draft = getattr(self.proposer, "model", None)
+            if draft is not None:  # count what the draft adds (a self-draft shares the target's tensors)
+                both = weight_memory(self.loaded.model, draft).total
+                self.draft_weight_bytes, self.weight_bytes = both - self.weight_bytes, both
+                logger.info("draft %s adds %s of weights (%s in all)", config.spec.model,
+                            format_bytes(self.draft_weight_bytes), format_bytes(self.weight_bytes))
         self.spec_stats = SpecDecodingStats(config.spec.num_speculative_tokens if config.spec else 0)
 
         max_len = mc.max_model_len or arch.max_position_embeddings

@@ -72,10 +72,17 @@ def _is_quantized(module: nn.Module) -> bool:
         return False
 
 
-def weight_memory(model: nn.Module) -> WeightMemory:
+def weight_memory(*models: nn.Module | None) -> WeightMemory:
+    """Weights of one model, or of several counted together (a target and its self-draft share
+    tensors: each storage counts once)."""
     seen: set[int] = set()
+    seen_modules: set[int] = set()
     total = quantized = num_quantized = 0
-    for module in model.modules():
+    modules = (m for model in models if model is not None for m in model.modules())
+    for module in modules:
+        if id(module) in seen_modules:
+            continue
+        seen_modules.add(id(module))
         is_q = _is_quantized(module)
         num_quantized += is_q
         for t in _module_tensors(module):

@@ -82,3 +82,14 @@ def share_copy(model: nn.Module) -> nn.Module:
             if value is not None:
                 memo[id(value)] = value
     return copy.deepcopy(model, memo)
+
+
+def estimated_draft_cost(target: nn.Module, draft: nn.Module) -> float:
+    """Cost of one draft step in target steps when decode is bound by reading weights (a GPU at
+    small batch): the bytes the draft reads over the bytes the target reads. The speculative
+    planner's default (parameter count ratio) says 1.0 for a self-draft, which would switch
+    speculation off. On the CPU bitsandbytes kernels are slower than plain matmuls: there the
+    real cost is above 1 (docs/quantization.md)."""
+    from specserve.quant.memory import weight_bytes
+
+    return weight_bytes(draft) / max(1, weight_bytes(target))
