@@ -5,6 +5,7 @@ model runner; see docs/speculative.md for the whole picture.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -55,15 +56,18 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
         return NgramProposer(policy, prompt_lookup_min=spec.prompt_lookup_min,
                              prompt_lookup_max=spec.prompt_lookup_max,
                              max_num_batched_tokens=max_num_batched_tokens)
+    from specserve.quant.self_draft import is_self_draft
     from specserve.spec.draft_model import DraftModelProposer
 
     if draft_model is not None:
         module, identity = draft_model, (spec.model or "module", spec.quantization or "")
-    elif spec.model.lower().startswith("self"):  # the target's own weights (specserve.quant)
-        from specserve.quant.self_draft import build_self_draft
+    elif is_self_draft(spec.model):  # the target's own weights (specserve.quant)
+        from specserve.quant.self_draft import build_self_draft, estimated_draft_cost
 
         module = build_self_draft(target.model, spec.quantization)
         identity = ("self", target.path, spec.quantization or "")
+        if spec.draft_cost is None:  # same parameter count, fewer bytes to read per step
+            spec = dataclasses.replace(spec, draft_cost=estimated_draft_cost(target.model, module))
     else:
         from specserve.models.loader import load_model
 
