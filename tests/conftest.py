@@ -21,11 +21,12 @@ TINY_SHAPES = {
 }
 
 
-def build_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
-    """Save a seeded random fp32 HF model of a tiny shape to `path` (config + safetensors)."""
+def build_tiny_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """Save a seeded random fp32 HF model of a tiny shape to `path` (config + safetensors);
+    `overrides` change config fields (e.g. num_hidden_layers=1 for a smaller draft)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg_kwargs = dict(TINY_SHAPES[kind])
+    cfg_kwargs = dict(TINY_SHAPES[kind], **overrides)
     model_type = cfg_kwargs.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **cfg_kwargs)
     cfg.eos_token_id = 2
