@@ -58,6 +58,9 @@ class KVCacheManager:
         self.req_num_cached: dict[str, int] = {}  # leading blocks of the table already registered
         self.prefix_stats = PrefixCacheStats()
         self._copies: list[tuple[int, int]] = []
+        # blocks registered while scheduling the coming forward: readable by that forward, but their
+        # KV does not exist yet, so they cannot be the source of a copy (cleared by take_copies)
+        self._uncomputed: set[int] = set()
 
     @property
     def extra_keys(self) -> tuple[Any, ...]:
@@ -91,8 +94,10 @@ class KVCacheManager:
 
         The reuse is capped at len(token_ids) - 1: the last token must be computed to get logits. When
         the whole prompt is cached in full blocks, all of them are returned and the last token is
-        recomputed into the last one (copied first by `allocate_slots` if another request holds it).
-        Takes no references; pass the blocks to `allocate_slots`.
+        recomputed into the last one (copied first by `allocate_slots` if another request holds it),
+        unless that block is only being computed by the coming forward: then it cannot be copied yet
+        and the whole last block is recomputed instead. Takes no references; pass the blocks to
+        `allocate_slots`.
         """
         if not self.enable_caching:
             return [], 0
@@ -106,6 +111,8 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = block.content_id
+        if hits and len(hits) * bs == len(token_ids) and hits[-1].block_id in self._uncomputed:
+            hits.pop()
         return hits, min(len(hits) * bs, len(token_ids) - 1)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -169,8 +176,11 @@ class KVCacheManager:
         self.req_num_cached[req_id] = min(self.req_num_cached.get(req_id, 0), index)
 
     def take_copies(self) -> list[tuple[int, int]]:
-        """(src, dst) block copies the runner must perform before the next forward, in order."""
+        """(src, dst) block copies the runner must perform before the next forward, in order. Called
+        once per step when scheduling is done: the forward that follows computes every block
+        registered until now."""
         copies, self._copies = self._copies, []
+        self._uncomputed.clear()
         return copies
 
     # -- progress --------------------------------------------------------------------------------
@@ -196,7 +206,9 @@ class KVCacheManager:
         assert not start or parent, "the blocks before the first unregistered one are registered"
         for b in range(start, num_full):
             block = blocks[b]
-            self.pool.cache_block(block, hashes[b], token_ids[b * bs:(b + 1) * bs], parent, extra)
+            if not block.is_cached:
+                self.pool.cache_block(block, hashes[b], token_ids[b * bs:(b + 1) * bs], parent, extra)
+                self._uncomputed.add(block.block_id)
             parent = block.content_id
         self.req_num_cached[req_id] = num_full
 

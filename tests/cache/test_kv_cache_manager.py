@@ -11,14 +11,17 @@ BS = 4
 
 
 def admit(kv: KVCacheManager, req_id: str, tokens: list[int], salt: str | None = None,
-          num_new: int | None = None) -> int:
-    """What the scheduler does at admission: look up, allocate, register the scheduled full blocks."""
+          num_new: int | None = None, run_forward: bool = True) -> int:
+    """What the scheduler does at admission: look up, allocate, register the scheduled full blocks;
+    then (run_forward) end the step, as the engine does, so the registered blocks count as computed."""
     hits, num_hit = kv.get_computed_blocks(req_id, tokens, salt)
     num_new = len(tokens) - num_hit if num_new is None else num_new
     assert kv.allocate_slots(req_id, num_hit, num_new, hits)
     kv.record_prefix_lookup(len(tokens), num_hit)
     kv.cache_blocks(req_id, tokens, min(num_hit + num_new, len(tokens)), salt)
     check_invariants(kv)
+    if run_forward:
+        assert kv.take_copies() == []
     return num_hit
 
 
@@ -201,3 +204,16 @@ def test_a_fork_inside_a_cached_block_copies_it_before_writing_other_tokens():
     assert kv.block_ids("c") == [2] and kv.take_copies() == [(0, 2)]
     assert kv.get_computed_blocks("x", [1, 2, 1, 2, 7])[0] == [kv.pool.blocks[0]]  # intact, still found
     check_invariants(kv)
+
+
+def test_a_block_registered_for_the_coming_forward_is_read_but_never_copied():
+    kv = KVCacheManager(8, BS)
+    prompt = list(range(8))
+    admit(kv, "a", prompt, run_forward=False)  # scheduled, not computed: blocks 0, 1 registered already
+    hits, num_hit = kv.get_computed_blocks("b", prompt + [9])
+    assert [h.block_id for h in hits] == [0, 1] and num_hit == 8  # read in the same forward: fine
+    hits, num_hit = kv.get_computed_blocks("c", prompt)  # would have to copy block 1: not yet
+    assert [h.block_id for h in hits] == [0] and num_hit == 4
+    assert kv.allocate_slots("c", 4, 4, hits) and kv.take_copies() == []
+    hits, num_hit = kv.get_computed_blocks("d", prompt)  # next step: block 1 is computed, copy it
+    assert num_hit == 7 and kv.allocate_slots("d", 7, 1, hits) and kv.take_copies() == [(1, 3)]
