@@ -34,9 +34,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import sharegpt_conversations  # noqa: E402
+from prompts import sharegpt_conversations
 
-from specserve.client import AsyncClient, OutputTextDelta, ResponseDone, SpecserveError  # noqa: E402
+from specserve.client import AsyncClient, OutputTextDelta, ResponseDone, SpecserveError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,8 @@ async def one_request(client: AsyncClient, prompt: str, max_tokens: int) -> Resu
     t0 = time.perf_counter()
     last = None
     try:
-        stream = await client.create(messages=[{"role": "user", "content": prompt}], max_output_tokens=max_tokens,
+        stream = await client.create(messages=[{"role": "user", "content": prompt}],
+                                     max_output_tokens=max_tokens,
                                      temperature=0.0, ignore_eos=True)
         async for event in stream:
             now = time.perf_counter()
@@ -188,18 +189,24 @@ class ServerProcess:
         self.log.close()
 
 
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0f}"
+
+
 def hardware() -> dict:
     cpu = platform.processor()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform()}
 
 
 def markdown(report: dict) -> str:
-    rows = ["| load | requests | failed | req/s | out tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean / p50 / p99 (ms) "
-            "| ITL mean / p50 / p99 (ms) | p99/p50 ITL |",
+    rows = [("| load | requests | failed | req/s | out tok/s | TTFT mean / p50 / p99 (ms) "
+             "| TPOT mean / p50 / p99 (ms) | ITL mean / p50 / p99 (ms) | p99/p50 ITL |"),
             "|---|---|---|---|---|---|---|---|---|"]
 
     def trio(s: dict) -> str:
@@ -209,16 +216,18 @@ def markdown(report: dict) -> str:
         r, itl = run["result"], run["result"]["itl_ms"]
         ratio = f"{itl['p99'] / itl['p50']:.2f}" if itl["p50"] else "–"
         rows.append(f"| {run['load']} | {r['requests']} | {r['failed']} | {r['request_throughput']:.2f} | "
-                    f"{r['output_throughput']:.1f} | {trio(r['ttft_ms'])} | {trio(r['tpot_ms'])} | {trio(itl)} | {ratio} |")
+                    f"{r['output_throughput']:.1f} | {trio(r['ttft_ms'])} | {trio(r['tpot_ms'])} | "
+                    f"{trio(itl)} | {ratio} |")
     hw = report["hardware"]
     return "\n".join([
         f"## Serving benchmark ({report['model']}, WebSocket API)", "",
         f"Command: `{report['command']}`", "",
-        f"Server: `{report['server_command']}`" if report.get("server_command") else f"Server: {report['url']}", "",
+        (f"Server: `{report['server_command']}`" if report.get("server_command")
+         else f"Server: {report['url']}"), "",
         f"Hardware: {hw['cpu']}, {hw['cores']} cores; load average before/after: "
         f"{report['loadavg_before']} / {report['loadavg_after']}", "",
-        f"Workload: ShareGPT first turns (chat template applied), {report['max_tokens']} output tokens per request "
-        "(ignore_eos), greedy.", "", *rows, ""])
+        (f"Workload: ShareGPT first turns (chat template applied), {report['max_tokens']} output tokens "
+         "per request (ignore_eos), greedy."), "", *rows, ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerProcess(args.model, shlex.split(args.server_args), log)
     url = args.url or server.url
     report = {"command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
-              "server_command": " ".join(server.cmd[2:]).replace("specserve.cli", "specserve", 1) if server else None,
+              "server_command": (" ".join(server.cmd[2:]).replace("specserve.cli", "specserve", 1)
+                                 if server else None),
               "url": url, "model": args.model or "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens,
               "hardware": hardware(), "loadavg_before": [round(x, 2) for x in os.getloadavg()], "runs": []}
     try:
@@ -258,17 +268,19 @@ def main(argv: list[str] | None = None) -> int:
         for (kind, value), num in zip(loads, nums):
             prompts = prompts_all[:num]
             if kind == "concurrency":
-                results, duration = asyncio.run(run_concurrency(url, prompts, value, args.max_tokens, args.api_key))
+                results, duration = asyncio.run(
+                    run_concurrency(url, prompts, value, args.max_tokens, args.api_key))
             else:
-                results, duration = asyncio.run(run_rate(url, prompts, value, args.max_tokens, args.api_key, args.seed))
+                results, duration = asyncio.run(
+                    run_rate(url, prompts, value, args.max_tokens, args.api_key, args.seed))
             summary = summarize(results, duration)
             label = f"concurrency {value}" if kind == "concurrency" else f"rate {value}/s"
             report["runs"].append({"load": label, kind: value, "result": summary,
                                    "requests": [asdict(r) | {"itl": None} for r in results]})
-            ms = lambda v: "–" if v is None else f"{v:.0f}"  # noqa: E731
-            print(f"{label}: {summary['completed']}/{summary['requests']} ok, {summary['request_throughput']:.2f} req/s, "
-                  f"{summary['output_throughput']:.1f} tok/s, TTFT p50 {ms(summary['ttft_ms']['p50'])} ms, "
-                  f"ITL p50/p99 {ms(summary['itl_ms']['p50'])}/{ms(summary['itl_ms']['p99'])} ms", flush=True)
+            s = summary
+            print(f"{label}: {s['completed']}/{s['requests']} ok, {s['request_throughput']:.2f} req/s, "
+                  f"{s['output_throughput']:.1f} tok/s, TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, "
+                  f"ITL p50/p99 {_ms(s['itl_ms']['p50'])}/{_ms(s['itl_ms']['p99'])} ms", flush=True)
     finally:
         if server is not None:
             server.stop()

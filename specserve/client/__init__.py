@@ -3,7 +3,24 @@ from specserve.client.async_client import AsyncClient, AsyncResponseStream
 from specserve.client.errors import SpecserveError
 from specserve.client.sync_client import Client, ResponseStream
 from specserve.server.protocol import (
-    DoneResponse, ErrorEvent, OutputTextDelta, ResponseCreated, ResponseDone, SessionCreated)
+    DoneResponse,
+    ErrorEvent,
+    OutputTextDelta,
+    ResponseCreated,
+    ResponseDone,
+    SessionCreated,
+)
 
-__all__ = ["AsyncClient", "AsyncResponseStream", "Client", "ResponseStream", "SpecserveError", "DoneResponse",
-           "ErrorEvent", "OutputTextDelta", "ResponseCreated", "ResponseDone", "SessionCreated"]
+__all__ = [
+    "AsyncClient",
+    "AsyncResponseStream",
+    "Client",
+    "DoneResponse",
+    "ErrorEvent",
+    "OutputTextDelta",
+    "ResponseCreated",
+    "ResponseDone",
+    "ResponseStream",
+    "SessionCreated",
+    "SpecserveError",
+]

@@ -24,7 +24,14 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from specserve.client.errors import SpecserveError
 from specserve.server.protocol import (
-    DoneResponse, ErrorEvent, OutputTextDelta, ResponseCreated, ResponseDone, SessionCreated, parse_server_event)
+    DoneResponse,
+    ErrorEvent,
+    OutputTextDelta,
+    ResponseCreated,
+    ResponseDone,
+    SessionCreated,
+    parse_server_event,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +144,8 @@ class AsyncClient:
 
     # -- connection ------------------------------------------------------------------------------
     async def connect(self) -> AsyncClient:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key and not self.auth_in_message else None
+        use_header = self.api_key and not self.auth_in_message
+        headers = {"Authorization": f"Bearer {self.api_key}"} if use_header else None
         try:
             self._ws = await connect(self.url, additional_headers=headers, open_timeout=self.connect_timeout,
                                      max_size=self.max_frame_size)
@@ -152,8 +160,8 @@ class AsyncClient:
         except asyncio.TimeoutError:
             await self._ws.close()
             hint = "" if self.api_key else " (does the server need an API key?)"
-            raise SpecserveError("timeout", f"the server sent no session.created within {self.connect_timeout}s"
-                                 f"{hint}") from None
+            message = f"the server sent no session.created within {self.connect_timeout}s{hint}"
+            raise SpecserveError("timeout", message) from None
         except ConnectionClosed as e:
             raise SpecserveError("connection_closed", f"the server closed the connection: {e}") from None
         if isinstance(first, ErrorEvent):
@@ -179,7 +187,8 @@ class AsyncClient:
         await self.close()
 
     # -- requests --------------------------------------------------------------------------------
-    async def create(self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
+    async def create(self, prompt: str | Sequence[int] | None = None, *,
+                     messages: Sequence[dict] | None = None,
                      max_output_tokens: int | None = None, temperature: float | None = None,
                      top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
                      seed: int | None = None, stop: str | Sequence[str] | None = None,
@@ -200,8 +209,8 @@ class AsyncClient:
                               "response": {k: v for k, v in fields.items() if v is not None}})
             return await asyncio.wait_for(future, self.read_timeout)
         except asyncio.TimeoutError:
-            raise SpecserveError("timeout", f"the server did not accept the request within {self.read_timeout}s",
-                                 event_id=event_id) from None
+            raise SpecserveError("timeout", f"the server did not accept the request within "
+                                 f"{self.read_timeout}s", event_id=event_id) from None
         finally:
             self._pending.pop(event_id, None)
 
@@ -245,7 +254,8 @@ class AsyncClient:
             stream = AsyncResponseStream(self, event.response.id, self.read_timeout)
             future = self._pending.get(event.event_id or "")
             if future is None or future.done():  # nobody waits: cancel what we would never read
-                asyncio.ensure_future(self._send({"type": "response.cancel", "response_id": event.response.id}))
+                cancel = {"type": "response.cancel", "response_id": event.response.id}
+                asyncio.ensure_future(self._send(cancel))
                 return
             self._streams[stream.id] = stream
             future.set_result(stream)

@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--stats", action="store_true", help="print TTFT, tokens/s and cache hits after each reply")
+    p.add_argument("--stats", action="store_true",
+                   help="print TTFT, tokens/s and cache hits after each reply")
     p.set_defaults(func=cmd_chat)
 
 

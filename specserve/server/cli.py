@@ -30,14 +30,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over WebSocket and OpenAI-compatible HTTP",
                        description="Serve a model: WebSocket protocol on /v1/ws, OpenAI-compatible HTTP on "
                        "/v1/*, a browser chat demo on /, Prometheus metrics on /metrics.",
-                       epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)")
     g = p.add_argument_group("server")
     g.add_argument("--config", default=None, help="YAML file of flags (keys = long flag names)")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and the socket")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and the socket")
     g.add_argument("--allowed-origins", default=None,
                    help="comma-separated browser Origins allowed to open the WebSocket besides this "
                         "server's own (default: localhost origins; '*' = any)")
@@ -47,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     # Defaults move out of argparse so that "given on the command line" is visible (present in the
     # namespace) and YAML / environment values can slot in between.
-    for action in p._actions:  # noqa: SLF001 - argparse offers no public way to list its actions
+    for action in p._actions:  # argparse offers no public way to list its actions
         if action.dest in ("help", "config") or action.default is argparse.SUPPRESS:
             continue
         _DEFAULTS[action.dest] = action.default
@@ -107,8 +109,9 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
     for key, value in data.items():
         dest = str(key).lstrip("-").replace("-", "_")
         if dest not in _DEFAULTS:
+            known = ", ".join(sorted(d.replace("_", "-") for d in _DEFAULTS))
             raise ValueError(f"config file {path}: unknown key {key!r}; keys are the long flag names of "
-                             f"`specserve serve` ({', '.join(sorted(d.replace('_', '-') for d in _DEFAULTS))})")
+                             f"`specserve serve` ({known})")
         out[dest] = None if value is None else _convert(dest, value, f"config file {path}, key {key!r}")
     return out
 
@@ -145,7 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.settings import ServerSettings, model_aliases, served_name_for
 
     args = resolve_serve_args(args)
-    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    origins = ([o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+               if args.allowed_origins else None)
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, allowed_origins=origins,
                               max_frame_size=args.max_frame_size, served_model_name=args.served_model_name,
                               extra_model_names=model_aliases(args.model))

@@ -43,7 +43,8 @@ class _EngineCollector(Collector):
             g.add_metric([self._model], float(s.get(key, 0) or 0))
             yield g
         for name, key, doc in (
-                ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                ("prefix_cache_queries", "prefix_cache_queries",
+                 "Prompt tokens looked up in the prefix cache."),
                 ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
                 ("num_preemptions", "num_preemptions", "Requests preempted (recomputed later)."),
                 ("kv_cache_evictions", "num_evictions", "Cached KV blocks evicted for reuse."),

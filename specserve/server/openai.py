@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -21,8 +21,14 @@ from starlette.routing import Route
 
 from specserve.engine.async_engine import AsyncEngine
 from specserve.server.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs, completion_logprobs, finish_reason,
-    usage_dict)
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    usage_dict,
+)
 from specserve.server.protocol import format_validation_error
 from specserve.server.state import NotReadyError, ServerState
 from specserve.server.streaming import Delta, PromptError, RequestStream, prepare_prompt
@@ -194,7 +200,7 @@ async def _respond(request: Request, state: ServerState, engine: AsyncEngine, re
         if not await _until_disconnect(request, work):
             return Response(status_code=499)  # nobody is listening; the requests were aborted
         await work
-    except Exception as e:  # noqa: BLE001 - engine failure: 500, the server goes on
+    except Exception as e:  # engine failure: 500, the server goes on
         logger.warning("request %s failed: %s", answer.id, e)
         return _error_response(OpenAIError(500, f"generation failed: {e}", type="server_error"))
     finally:
@@ -219,6 +225,10 @@ async def _until_disconnect(request: Request, work: asyncio.Future) -> bool:
             return False
 
 
+def _sse_line(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
 async def _sse(answer: _Answer, streams: list[RequestStream]) -> AsyncIterator[str]:
     """Chunks of all streams as they come; usage last (if asked), then [DONE]."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -228,12 +238,11 @@ async def _sse(answer: _Answer, streams: list[RequestStream]) -> AsyncIterator[s
             async for step in s.deltas():
                 queue.put_nowait((k, step))
             queue.put_nowait((k, None))
-        except Exception as e:  # noqa: BLE001 - reported in the stream
+        except Exception as e:  # reported in the stream
             queue.put_nowait((k, e))
 
     tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
     started: set[int] = set()
-    data: Callable[[dict], str] = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
     continuous = bool(answer.req.stream_options and answer.req.stream_options.continuous_usage_stats)
     try:
         remaining = len(tasks)
@@ -244,7 +253,7 @@ async def _sse(answer: _Answer, streams: list[RequestStream]) -> AsyncIterator[s
                 continue
             if isinstance(item, Exception):
                 logger.warning("stream %s failed: %s", answer.id, item)
-                yield data(OpenAIError(500, f"generation failed: {item}", type="server_error").body())
+                yield _sse_line(OpenAIError(500, f"generation failed: {item}", type="server_error").body())
                 break
             choices = []
             for d in item:
@@ -256,10 +265,10 @@ async def _sse(answer: _Answer, streams: list[RequestStream]) -> AsyncIterator[s
                 choices.append(answer.delta_choice(index, d, first))
             if choices:
                 usage = _usage(streams) if continuous and answer.req.include_usage else None
-                yield data(answer.head(choices, usage, chunk=True))
+                yield _sse_line(answer.head(choices, usage, chunk=True))
         else:
             if answer.req.include_usage:
-                yield data(answer.head([], _usage(streams), chunk=True))
+                yield _sse_line(answer.head([], _usage(streams), chunk=True))
         yield "data: [DONE]\n\n"
     finally:
         for t in tasks:

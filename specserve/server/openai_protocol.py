@@ -61,7 +61,8 @@ class _SamplingFields(BaseModel):
         if self.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+            raise OpenAIError(400, "stream_options is only allowed when stream is true",
+                              param="stream_options")
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise OpenAIError(400, "at most 16 stop sequences", param="stop")
 

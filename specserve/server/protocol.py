@@ -7,7 +7,7 @@ what the server sends and what `specserve.client` parses. See docs/server.md for
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -235,7 +235,7 @@ class ErrorEvent(_Lenient):
     error: ErrorInfo
 
 
-ServerEvent = Annotated[Union[SessionCreated, ResponseCreated, OutputTextDelta, ResponseDone, ErrorEvent],
+ServerEvent = Annotated[SessionCreated | ResponseCreated | OutputTextDelta | ResponseDone | ErrorEvent,
                         Field(discriminator="type")]
 _SERVER_EVENT = TypeAdapter(ServerEvent)
 

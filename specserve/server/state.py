@@ -55,7 +55,7 @@ class ServerState:
         t0 = time.perf_counter()
         try:
             engine = self._factory()
-        except BaseException as e:  # noqa: BLE001 - any load failure must reach /health and the CLI
+        except BaseException as e:  # any load failure must reach /health and the CLI
             self.load_error = f"{type(e).__name__}: {e}"
             self.phase = "failed"
             logger.error("loading the engine failed: %s", self.load_error)

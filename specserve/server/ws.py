@@ -15,9 +15,24 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from specserve import __version__
 from specserve.server.protocol import (
-    DoneResponse, ErrorInfo, OutputItem, OutputTextDelta, ProtocolError, ResponseCancel, ResponseCreate,
-    ResponseCreated, ResponseDone, ResponseInfo, ResponseMetrics, SessionAuth, SessionCreated, SpecMetrics,
-    Usage, error_event, parse_client_event)
+    DoneResponse,
+    ErrorInfo,
+    OutputItem,
+    OutputTextDelta,
+    ProtocolError,
+    ResponseCancel,
+    ResponseCreate,
+    ResponseCreated,
+    ResponseDone,
+    ResponseInfo,
+    ResponseMetrics,
+    SessionAuth,
+    SessionCreated,
+    SpecMetrics,
+    Usage,
+    error_event,
+    parse_client_event,
+)
 from specserve.server.security import api_key_matches, bearer_token, error_body, origin_allowed
 from specserve.server.state import NotReadyError, ServerState
 from specserve.server.streaming import PromptError, RequestStream, prepare_prompt
@@ -40,7 +55,8 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"),
                           settings.allowed_origins):
         logger.warning("refused a WebSocket from origin %r", websocket.headers.get("origin"))
-        await _deny(websocket, 403, "this Origin is not allowed (see --allowed-origins)", "origin_not_allowed")
+        await _deny(websocket, 403, "this Origin is not allowed (see --allowed-origins)",
+                    "origin_not_allowed")
         return
     authed = settings.api_key is None
     header = websocket.headers.get("authorization")
@@ -63,7 +79,8 @@ async def _deny(websocket: WebSocket, status: int, message: str, code: str) -> N
     """Refuse the handshake with an HTTP response (or a plain close where that is unsupported)."""
     kind = "authentication_error" if status == 401 else "permission_error"
     try:
-        await websocket.send_denial_response(JSONResponse(error_body(message, kind, code), status_code=status))
+        body = error_body(message, kind, code)
+        await websocket.send_denial_response(JSONResponse(body, status_code=status))
     except RuntimeError:  # the ASGI server lacks the websocket.http.response extension
         await websocket.close(CLOSE_POLICY_VIOLATION)
 
@@ -229,7 +246,7 @@ class Session:
                 raise _Closed from None
         except _Closed:
             raise
-        except Exception as e:  # the engine failed this request; the socket and server go on
+        except Exception as e:  # noqa: BLE001 - the engine failed this request; socket and server go on
             logger.warning("response %s failed: %s", rid, e)
             return ErrorInfo(type="server_error", code="engine_error", message=str(e) or type(e).__name__,
                              response_id=rid)
@@ -264,5 +281,6 @@ def done_response(stream: RequestStream, metadata: dict[str, str] | None,
                     cached_tokens=stream.num_cached_tokens),
         metrics=ResponseMetrics(ttft_ms=None if ttft is None else round(ttft * 1000, 3),
                                 tokens_per_s=None if not tpot else round(1.0 / tpot, 3),
-                                spec=SpecMetrics(drafts=drafts, draft_tokens=draft_tokens, accepted=accepted)),
+                                spec=SpecMetrics(drafts=drafts, draft_tokens=draft_tokens,
+                                                 accepted=accepted)),
         metadata=metadata, error=error)

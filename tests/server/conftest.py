@@ -24,7 +24,7 @@ def tiny_server(tiny_chat_dir):
 
 @pytest.fixture(scope="session")
 def smol_server(default_model_dir):
-    server = ServerThread(engine_factory(default_model_dir, num_kv_blocks=256, max_model_len=2048, device="cpu"),
-                          "SmolLM2-135M-Instruct")
+    factory = engine_factory(default_model_dir, num_kv_blocks=256, max_model_len=2048, device="cpu")
+    server = ServerThread(factory, "SmolLM2-135M-Instruct")
     yield server
     server.stop()

@@ -83,7 +83,8 @@ def test_read_timeout_when_the_server_goes_quiet():
                                      version="0").model_dump_json())
         async for raw in ws:
             event_id = json.loads(raw).get("event_id")
-            await ws.send(ResponseCreated(event_id=event_id, response=ResponseInfo(id="r1")).model_dump_json())
+            created = ResponseCreated(event_id=event_id, response=ResponseInfo(id="r1"))
+            await ws.send(created.model_dump_json())
 
     async def main():
         async with serve(quiet, "127.0.0.1", 0) as server:
@@ -103,9 +104,10 @@ def test_chat_repl(tiny_server):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "chat", "--url", tiny_server.ws, "--max-tokens",
-                           "5", "--temperature", "0", "--stats"], input="hello\n/reset\nagain\n/exit\n",
-                          capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "specserve.cli", "chat", "--url", tiny_server.ws, "--max-tokens", "5",
+           "--temperature", "0", "--stats"]
+    proc = subprocess.run(cmd, input="hello\n/reset\nagain\n/exit\n", capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "connected to tiny" in proc.stderr
     assert proc.stderr.count("[5 tokens, TTFT") == 2 and "incomplete" in proc.stderr

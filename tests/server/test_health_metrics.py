@@ -85,13 +85,12 @@ def test_metrics_follow_traffic(tiny_server):
     after = _metrics(tiny_server)
     resp = tiny_server.get("/metrics")
     assert resp.headers["content-type"].startswith("text/plain")
-    for name in ("specserve:num_requests_running", "specserve:num_requests_waiting", "specserve:kv_cache_usage_perc",
-                 "specserve:prefix_cache_queries_total", "specserve:prefix_cache_hits_total",
-                 "specserve:spec_decode_num_drafts_total", "specserve:spec_decode_num_draft_tokens_total",
-                 "specserve:spec_decode_num_accepted_tokens_total", "specserve:time_to_first_token_seconds_count",
-                 "specserve:inter_token_latency_seconds_count", "specserve:e2e_request_latency_seconds_count",
-                 "specserve:prompt_tokens_total", "specserve:generation_tokens_total"):
-        assert name in after, name
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "spec_decode_num_drafts_total",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total"):
+        assert "specserve:" + name in after, name
 
     def delta(name):
         return after[name] - before.get(name, 0.0)
@@ -125,5 +124,6 @@ def test_version_models_and_http_errors(tiny_server):
     assert too_big.status_code == 413
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     assert bad_type.status_code == 400 and bad_type.json()["error"]["param"] == "max_tokens"
-    ok = httpx.post(url, json={"model": "tiny", "prompt": [5, 6], "max_tokens": 3, "ignore_eos": True}, timeout=30)
+    ok = httpx.post(url, json={"model": "tiny", "prompt": [5, 6], "max_tokens": 3, "ignore_eos": True},
+                    timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

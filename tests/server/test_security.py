@@ -51,7 +51,8 @@ def test_websocket_key_in_header_or_first_message(keyed_server):
         with pytest.raises(InvalidStatus) as bad_header:
             await websockets.connect(keyed_server.ws, additional_headers={"Authorization": "Bearer nope"})
         # right key in the header
-        async with websockets.connect(keyed_server.ws, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(keyed_server.ws, additional_headers=auth) as ws:
             by_header = json.loads(await ws.recv())
         # right key in a first message (what browsers do)
         async with websockets.connect(keyed_server.ws) as ws:
@@ -109,7 +110,8 @@ def test_origin_rules():
     assert origin_allowed(None, "h:1", None)  # non-browser clients send no Origin
     assert origin_allowed("http://h:1", "h:1", allowed)  # same host always
     assert origin_allowed("https://chat.example.com", "h:1", allowed)
-    assert not origin_allowed("http://localhost:3000", "h:1", allowed)  # a list replaces the localhost default
+    # a list replaces the localhost default
+    assert not origin_allowed("http://localhost:3000", "h:1", allowed)
     assert origin_allowed("http://localhost:3000", "h:1", None)
     assert origin_allowed("https://anything.example", "h:1", ["*"])
     assert not origin_allowed("https://chat.example.com.evil.io", "h:1", allowed)

@@ -44,7 +44,8 @@ def test_precedence_command_line_over_yaml_over_env_over_defaults(tmp_path):
 def test_env_and_yaml_values_are_checked(tmp_path):
     assert _resolve([], {"SPECSERVE_ENABLE_PREFIX_CACHING": "off", "SPECSERVE_MODEL": "m"}).model == "m"
     assert _resolve([], {"SPECSERVE_ENABLE_PREFIX_CACHING": "off"}).enable_prefix_caching is False
-    assert _resolve(["--enable-prefix-caching"], {"SPECSERVE_ENABLE_PREFIX_CACHING": "0"}).enable_prefix_caching
+    env = {"SPECSERVE_ENABLE_PREFIX_CACHING": "0"}
+    assert _resolve(["--enable-prefix-caching"], env).enable_prefix_caching
     with pytest.raises(ValueError, match="SPECSERVE_PORT"):
         _resolve([], {"SPECSERVE_PORT": "eighty"})
     with pytest.raises(ValueError, match="SPECSERVE_DTYPE"):
@@ -77,9 +78,11 @@ def _free_port() -> int:
 def test_specserve_serve_subprocess(tiny_chat_dir, tmp_path):
     port = _free_port()
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"port: {port}\ndtype: float32\ndevice: cpu\nnum-kv-blocks: 32\nserved-model-name: tiny-cli\n")
+    cfg.write_text(f"port: {port}\ndtype: float32\ndevice: cpu\nnum-kv-blocks: 32\n"
+                   "served-model-name: tiny-cli\n")
     env = dict(os.environ, SPECSERVE_API_KEY="k1", SPECSERVE_PORT="1")  # YAML's port wins over the env's
-    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", str(tiny_chat_dir), "--config", str(cfg)],
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", str(tiny_chat_dir), "--config", str(cfg)]
+    proc = subprocess.Popen(cmd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -90,7 +93,9 @@ def test_specserve_serve_subprocess(tiny_chat_dir, tmp_path):
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            if proc.poll() is not None:
+                raise AssertionError(proc.stdout.read())
+            assert time.monotonic() < deadline, "the server did not get ready"
             time.sleep(0.2)
         denied = httpx.post(url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2})
         ok = httpx.post(url + "/v1/completions", json={"model": "tiny-cli", "prompt": "ab", "max_tokens": 2,

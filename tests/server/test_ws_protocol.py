@@ -50,8 +50,8 @@ def test_session_and_streaming(tiny_server):
     async def main():
         ws, hello = await connect(tiny_server)
         assert hello["model"] == "tiny" and hello["max_model_len"] == 256 and hello["speculative"] is None
-        rid = await create(ws, "e1", prompt="Hello there", max_output_tokens=12, ignore_eos=True, temperature=0,
-                           metadata={"tag": "x"})
+        rid = await create(ws, "e1", prompt="Hello there", max_output_tokens=12, ignore_eos=True,
+                           temperature=0, metadata={"tag": "x"})
         deltas, done = await collect(ws, rid)
         await ws.close()
         return deltas, done
@@ -111,7 +111,8 @@ def test_greedy_output_is_deterministic(tiny_server):
         ws, _ = await connect(tiny_server)
         out = []
         for k in range(2):
-            rid = await create(ws, f"g{k}", prompt=[5, 6, 7, 8], max_output_tokens=8, temperature=0, ignore_eos=True)
+            rid = await create(ws, f"g{k}", prompt=[5, 6, 7, 8], max_output_tokens=8, temperature=0,
+                               ignore_eos=True)
             deltas, _ = await collect(ws, rid)
             out.append([t for d in deltas for t in d["token_ids"]])
         await ws.close()

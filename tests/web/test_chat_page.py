@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists() and shutil.which("ch
 def browser():
     playwright = pytest.importorskip("playwright.sync_api")
     with playwright.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
-                              args=ARGS)
+        path = CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium")
+        b = p.chromium.launch(executable_path=path, args=ARGS)
         yield b
         b.close()
 
