@@ -1,9 +1,9 @@
 """Prometheus metrics, named `specserve:*` after vLLM's `vllm:*` metrics.
 
 Each app owns a `CollectorRegistry` (several apps may live in one process, e.g. in tests).
-Engine-wide gauges and counters (running/waiting requests, KV usage, prefix-cache queries/hits)
-are read from `AsyncEngine.stats()` at scrape time; per-request histograms and counters are
-observed by the server as requests stream and finish.
+Engine-wide gauges and counters (running/waiting requests, KV usage, prefix-cache queries/hits,
+speculative decoding drafts/accepted tokens) are read from `AsyncEngine.stats()` at scrape time;
+per-request histograms and counters are observed by the server as requests stream and finish.
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class _EngineCollector(Collector):
     """Reads the engine's latest stats snapshot when Prometheus scrapes."""
 
-    def __init__(self, stats: Callable[[], dict | None], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], dict | None], model_name: str, spec_fallback: list[int]) -> None:
         self._stats = stats
         self._model = model_name
+        self._spec_fallback = spec_fallback  # per-request sums, for engines without spec counters
 
     def collect(self) -> Iterator:
         s = self._stats() or {}
@@ -52,6 +53,20 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(f"specserve:{name}", doc, labels=labels)
             c.add_metric([self._model], float(s.get(key, 0) or 0))
             yield c
+        for i, (name, doc) in enumerate((
+                ("spec_decode_num_drafts", "Draft proposals verified."),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted."))):
+            c = CounterMetricFamily(f"specserve:{name}", doc, labels=labels)
+            c.add_metric([self._model], float(s.get(name, self._spec_fallback[i]) or 0))
+            yield c
+        per_pos = s.get("spec_decode_num_accepted_tokens_per_pos") or []
+        c = CounterMetricFamily("specserve:spec_decode_num_accepted_tokens_per_pos",
+                                "Verifications that accepted the draft at this position.",
+                                labels=labels + ["position"])
+        for pos, value in enumerate(per_pos):
+            c.add_metric([self._model, str(pos)], float(value))
+        yield c
 
 
 class ServerMetrics:
@@ -61,7 +76,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         reg, lab = self.registry, ["model_name"]
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.spec_totals = [0, 0, 0]  # drafts, draft tokens, accepted: summed from finished requests
+        self.registry.register(_EngineCollector(stats, model_name, self.spec_totals))
 
         def counter(name: str, doc: str, labels: list[str] = lab) -> Counter:
             return Counter(f"specserve:{name}", doc, labels, registry=reg)
@@ -75,9 +91,6 @@ class ServerMetrics:
                                        lab + ["finished_reason"])
         self.request_failure = counter("request_failure", "Requests that failed in the engine.")
         self.request_cancelled = counter("request_cancelled", "Requests cancelled or disconnected.")
-        self.spec_drafts = counter("spec_decode_num_drafts", "Draft proposals verified.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed steps of a request.",
                              _ITL_BUCKETS)
@@ -90,14 +103,17 @@ class ServerMetrics:
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens per request.", _TOKEN_BUCKETS)
         # create the labelled children now so every series is exported (at 0) before the first request
-        for c in (self.prompt_tokens, self.generation_tokens, self.request_failure, self.request_cancelled,
-                  self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+        for c in (self.prompt_tokens, self.generation_tokens, self.request_failure, self.request_cancelled):
             c.labels(model_name)
         for reason in ("stop", "length"):
             self.request_success.labels(model_name, reason)
         for h in (self.ttft, self.itl, self.tpot, self.e2e, self.request_prompt_tokens,
                   self.request_generation_tokens):
             h.labels(model_name)
+
+    def add_spec(self, drafts: int, draft_tokens: int, accepted: int) -> None:
+        for i, v in enumerate((drafts, draft_tokens, accepted)):
+            self.spec_totals[i] += v
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

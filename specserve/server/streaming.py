@@ -178,10 +178,7 @@ class RequestStream:
         tpot = self.decode_seconds_per_token()
         if tpot is not None:
             m.tpot.labels(name).observe(tpot)
-        spec = self.spec_counts()
-        m.spec_drafts.labels(name).inc(spec[0])
-        m.spec_draft_tokens.labels(name).inc(spec[1])
-        m.spec_accepted.labels(name).inc(spec[2])
+        m.add_spec(*self.spec_counts())
 
     # -- summaries -------------------------------------------------------------------------------
     def decode_seconds_per_token(self) -> float | None:
