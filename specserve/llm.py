@@ -56,7 +56,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", disable=not (use_tqdm and sys.stderr.isatty()))
         try:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)

@@ -278,7 +278,9 @@ class LLMEngine:
         return bool(self.groups)
 
     # -- the step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step. Outputs are cumulative, one per request that advanced (only those that
+        finished with `finished_only`, which saves building outputs nobody reads)."""
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         self.spec_stats.observe(sched, result)
@@ -290,7 +292,8 @@ class LLMEngine:
                 continue
             self._detokenize(group, request)
             touched[group.request_id] = group
-        return [self._output(g) for g in touched.values()]
+        return [self._output(g) for g in touched.values()
+                if not finished_only or all(c.is_finished for c in g.children)]
 
     def _detokenize(self, group: _Group, request: Request) -> None:
         i = group.children.index(request)

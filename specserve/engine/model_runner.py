@@ -31,9 +31,7 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
     last query_lens[i] of its seq_lens[i] tokens, whose KV lives in the blocks tables[i]."""
     num_reqs = len(query_lens)
     max_blocks = max(max(len(t) for t in tables), pad_block_table_to)
-    block_tables = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
     q_lens = torch.tensor(query_lens, dtype=torch.int32)
     cu = torch.zeros(num_reqs + 1, dtype=torch.int32)
     cu[1:] = q_lens.cumsum(0)
