@@ -9,6 +9,7 @@ a near-tie, after which the texts legitimately differ). Answers are printed for 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -32,7 +33,11 @@ def generate(model: str, backend: str, max_tokens: int, eager: bool) -> list:
               max_model_len=2048, gpu_memory_utilization=0.3)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                     SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
+    result = [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
+    del llm, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
 
 
 def main() -> None:

@@ -144,7 +144,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
+            # memory this process's allocator holds but does not use is available to us
+            used = total - free - (torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
             sc, arch = self.config.scheduler, self.loaded.arch
             # activations of one step: hidden/qkv/mlp intermediates and the fp32 logits
             act = sc.max_num_batched_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * 4
