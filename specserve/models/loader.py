@@ -83,6 +83,7 @@ def load_model(model: str, *, dtype: str = "auto", device: torch.device, load_fo
     if prequantized or quantization:
         from specserve.quant.checkpoint import checkpoint_quantization
         quantization = quant["quantization"] = checkpoint_quantization(arch.raw, quantization, str(model))
+        quant["double_quant"] = not prequantized  # fp32 block scales reproduce the stored nf4 exactly
     torch_dtype = resolve_dtype(dtype, arch)
     build_on = _build_device(device, torch_dtype, model, dummy=weights is None, **quant)
     net = _build(arch, torch_dtype, build_on, max_positions, seed)
@@ -101,7 +102,7 @@ def load_model(model: str, *, dtype: str = "auto", device: torch.device, load_fo
 
 
 def _build_device(device: torch.device, dtype: torch.dtype, model: str, *, quantization: str | None,
-                  quantize_embeddings: bool, dummy: bool = False) -> torch.device:
+                  dummy: bool = False, **_) -> torch.device:
     """Where to build the float model: the CPU when it is quantized onto `device` afterwards, so the
     device never holds the float copy (dummy weights are drawn fast on the device, then quantized)."""
     if not quantization:
@@ -114,10 +115,11 @@ def _build_device(device: torch.device, dtype: torch.dtype, model: str, *, quant
 
 
 def _quantize(net: LlamaForCausalLM, device: torch.device, *, quantization: str | None,
-              quantize_embeddings: bool) -> None:
+              quantize_embeddings: bool, double_quant: bool = True) -> None:
     if quantization:
         from specserve.quant import quantize_model
-        quantize_model(net, quantization, device=device, quantize_embeddings=quantize_embeddings)
+        quantize_model(net, quantization, device=device, quantize_embeddings=quantize_embeddings,
+                       double_quant=double_quant)
 
 
 def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None,

@@ -20,12 +20,14 @@ __all__ = ["INT8", "METHODS", "NF4", "WeightMemory", "check_supported", "dequant
 
 
 def quantize_model(model: nn.Module, method: str, *, device: torch.device | None = None,
-                   quantize_embeddings: bool = False) -> nn.Module:
+                   quantize_embeddings: bool = False, double_quant: bool = True) -> nn.Module:
     """Quantize `model`'s projections in place with `method` and put the whole model on `device`.
 
     The model may sit on the CPU (the loader's quantize-on-load path: each layer is quantized as it
     moves, so `device` never holds the float copy) or already on `device`. Embeddings and lm_head
-    stay in the model dtype unless `quantize_embeddings`. Returns the model, in eval mode.
+    stay in the model dtype unless `quantize_embeddings`. `double_quant=False` keeps nf4 block
+    scales in fp32 (what re-quantizing a pre-quantized checkpoint needs to reproduce it exactly).
+    Returns the model, in eval mode.
     """
     first = next(model.parameters())
     device = torch.device(device) if device is not None else first.device
@@ -33,7 +35,7 @@ def quantize_model(model: nn.Module, method: str, *, device: torch.device | None
     check_supported(method, device, dtype)
     from specserve.quant.bnb import move_unquantized, quantize_linears
 
-    num = quantize_linears(model, method, device, dtype)
+    num = quantize_linears(model, method, device, dtype, double_quant=double_quant)
     if quantize_embeddings:
         from specserve.quant.vocab import quantize_vocab
         quantize_vocab(model, method, device, dtype)

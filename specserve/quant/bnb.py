@@ -92,7 +92,8 @@ def dequantize_weight(module: nn.Module) -> torch.Tensor:
     return module.weight.data
 
 
-def quantize_linear(linear: nn.Module, method: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def quantize_linear(linear: nn.Module, method: str, device: torch.device, dtype: torch.dtype,
+                    double_quant: bool = True) -> nn.Module:
     """A bitsandbytes copy of `linear` (plain or already quantized) on `device`; `linear` is untouched."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
@@ -108,11 +109,12 @@ def quantize_linear(linear: nn.Module, method: str, device: torch.device, dtype:
         q.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
     else:
         q = bnb.nn.Linear4bit(in_features, out_features, bias=has_bias, compute_dtype=dtype,
-                              compress_statistics=True, quant_type="nf4", device="meta")
+                              compress_statistics=double_quant, quant_type="nf4", device="meta")
         packed, state = F.quantize_4bit(w.to(dtype).contiguous(), blocksize=NF4_BLOCKSIZE,
-                                        compress_statistics=True, quant_type="nf4")
+                                        compress_statistics=double_quant, quant_type="nf4")
         q.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=NF4_BLOCKSIZE,
-                                     compress_statistics=True, quant_type="nf4", module=q, bnb_quantized=True)
+                                     compress_statistics=double_quant, quant_type="nf4", module=q,
+                                     bnb_quantized=True)
         q.quant_state = state
     if has_bias:
         q.bias = nn.Parameter(linear.bias.data.to(device=device, dtype=dtype), requires_grad=False)
@@ -128,13 +130,14 @@ def target_linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module
                 yield parent, name, child
 
 
-def quantize_linears(model: nn.Module, method: str, device: torch.device, dtype: torch.dtype) -> int:
+def quantize_linears(model: nn.Module, method: str, device: torch.device, dtype: torch.dtype,
+                     double_quant: bool = True) -> int:
     """Replace the projections by bitsandbytes layers on `device`; returns how many were replaced."""
     if method == INT8:
         silence_int8_cast_warning()
     count = 0
     for parent, name, linear in list(target_linears(model)):
-        setattr(parent, name, quantize_linear(linear, method, device, dtype))
+        setattr(parent, name, quantize_linear(linear, method, device, dtype, double_quant))
         del linear  # the float weight can go as soon as its replacement exists
         count += 1
     return count

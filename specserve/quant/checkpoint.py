@@ -5,8 +5,9 @@
 Pre-quantized bitsandbytes checkpoints (saved by transformers with `load_in_8bit` / `load_in_4bit`
 nf4) load as follows: each quantized tensor is dequantized as it streams in (to the fused qkv /
 gate_up layout our model uses), then quantized again with the same method. For int8 (row-wise
-absmax) and nf4 (block absmax; the block's largest weight maps to ±1 exactly) this round trip
-reproduces the stored codes, so the served weights are the checkpoint's quantized weights.
+absmax) and nf4 (block absmax; the block's largest weight maps to ±1 exactly, and the block scales
+are kept in fp32 rather than double-quantized again) this round trip reproduces the stored codes
+and scales: in fp32 the served weights equal the checkpoint's dequantized weights (tested).
 """
 from __future__ import annotations
 
