@@ -1,10 +1,12 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, replayed over persistent buffers.
+"""CUDA graphs for decode and verification steps, replayed over persistent buffers.
 
-A decode step (every request computes exactly one token) is captured once per size in
-`CAPTURE_SIZES`; at run time the batch is padded up to the next captured size. Padding rows write
-no KV (slot -1) and attend one slot of block 0; their outputs are dropped. The attention kernels
-take their grid from python ints only, so a graph captured with `max_seq_len = max_model_len`
-replays correctly for any shorter context. Verification and prefill steps run eagerly.
+A step whose requests each compute at most `Q` tokens (Q = 1: decode; Q = 1 + k: speculative
+verification) is captured once per (padded batch size B in `CAPTURE_SIZES`, Q), over B * Q token
+slots. At run time the real tokens fill the front of the buffers (ragged: `query_start_loc` is
+copied in); padding requests compute one token each that writes no KV (slot -1) and attends one slot;
+token slots past those are never read back. The attention kernels take their grid from python ints
+only, so a graph captured with `max_seq_len = max_model_len` replays correctly for any shorter
+context. Prefill chunks run eagerly.
 """
 from __future__ import annotations
 
@@ -22,64 +24,72 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], device: torch.device, block_size: int,
-                 max_model_len: int, max_num_seqs: int) -> None:
+                 max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...] = (1,)) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = [s for s in CAPTURE_SIZES if s < max_num_seqs] + [max_num_seqs]
         self.sizes = sorted(set(s for s in self.sizes if s <= max(CAPTURE_SIZES)))
+        self.query_lens = tuple(sorted(set(query_lens)))
         max_batch = self.sizes[-1]
+        max_tokens = max_batch * self.query_lens[-1]
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), PAD_SLOT_ID, dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), PAD_SLOT_ID, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self._pad_offsets = torch.arange(1, max_batch + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _meta(self, batch: int) -> AttentionMetadata:
+    def _meta(self, batch: int, q: int) -> AttentionMetadata:
         return AttentionMetadata(
-            num_reqs=batch, num_tokens=batch, max_query_len=1, max_seq_len=self.max_model_len,
+            num_reqs=batch, num_tokens=batch * q, max_query_len=q, max_seq_len=self.max_model_len,
             query_start_loc=self.query_start_loc[:batch + 1], seq_lens=self.seq_lens[:batch],
-            block_tables=self.block_tables[:batch], slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch], slot_mapping=self.slot_mapping[:batch * q],
             query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch, extra={"block_size": self.block_size})
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
         pool = None
-        for batch in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            meta = self._meta(batch)
-            args = (self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
+        keys = [(b, q) for q in self.query_lens for b in self.sizes]
+        for batch, q in sorted(keys, key=lambda k: -k[0] * k[1]):  # largest first: the rest reuse its pool
+            meta = self._meta(batch, q)
+            n = batch * q
+            args = (self.input_ids[:n], self.positions[:n], self.kv_caches, meta)
             self.model(*args)  # warm-up: compile kernels, settle allocations
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch] = self.model(*args)
+                self.outputs[(batch, q)] = self.model(*args)
             pool = graph.pool()
-            self.graphs[batch] = graph
+            self.graphs[(batch, q)] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(self.graphs),
-                    self.sizes[0], self.sizes[-1], time.perf_counter() - t0)
+        logger.info("captured %d CUDA graphs (batch %d..%d, query lengths %s) in %.1fs", len(self.graphs),
+                    self.sizes[0], self.sizes[-1], self.query_lens, time.perf_counter() - t0)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return meta.max_query_len == 1 and meta.num_reqs <= self.sizes[-1]
+        return meta.max_query_len <= self.query_lens[-1] and meta.num_reqs <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay the graph of the smallest captured size >= the batch; returns hidden [num_reqs, H]."""
-        n = meta.num_reqs
+        """Replay the smallest captured graph that holds the step; returns hidden [num_tokens, H]."""
+        n, num_tokens = meta.num_reqs, meta.num_tokens
         batch = next(s for s in self.sizes if s >= n)
+        q = next(x for x in self.query_lens if x >= meta.max_query_len)
         width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
+        self.slot_mapping[num_tokens:batch * q].fill_(PAD_SLOT_ID)
+        self.query_start_loc[:n + 1].copy_(meta.query_start_loc)
+        if batch > n:  # padding requests: one token each, past the real ones
+            torch.add(self._pad_offsets[:batch - n], num_tokens, out=self.query_start_loc[n + 1:batch + 1])
+            self.seq_lens[n:batch].fill_(1)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_tables[:n, :width].copy_(meta.block_tables)
-        if batch > n:
-            self.slot_mapping[n:batch].fill_(PAD_SLOT_ID)
-            self.seq_lens[n:batch].fill_(1)
-        self.graphs[batch].replay()
-        return self.outputs[batch][:n]
+        self.graphs[(batch, q)].replay()
+        return self.outputs[(batch, q)][:num_tokens]

@@ -133,7 +133,8 @@ class LLMEngine:
             self.runner.rejection_sampler = RejectionSampler(config.spec.simulated_acceptance, seed=mc.seed)
             self.scheduler.num_lookahead_tokens = self.proposer.num_lookahead_tokens
         if self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton":
-            self.runner.enable_cuda_graphs(max_len, config.scheduler.max_num_seqs)
+            k = config.spec.num_speculative_tokens if config.spec else 0
+            self.runner.enable_cuda_graphs(max_len, config.scheduler.max_num_seqs, (1, 1 + k))
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}

@@ -159,13 +159,20 @@ class ModelRunner:
         if verify:
             self.rejection_sampler.verify(self, logits, verify, out)
 
-    def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
-        """Capture decode-step graphs (needs a graph-safe attention backend: triton)."""
+    def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...] = (1,)
+                           ) -> None:
+        """Capture decode (and, with `query_lens` 1 + k, verification) step graphs for the target and a
+        draft model's decode steps (needs a graph-safe attention backend: triton)."""
         from specserve.engine.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
-                                   max_num_seqs)
+                                   max_num_seqs, query_lens)
         self.graphs.capture()
+        draft = getattr(self.proposer, "model", None)
+        if draft is not None and hasattr(self.proposer, "kv_caches"):
+            self.proposer.graphs = DecodeGraphs(draft, self.proposer.kv_caches, self.device, self.block_size,
+                                                max_model_len, max_num_seqs)
+            self.proposer.graphs.capture()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.meta):

@@ -181,6 +181,9 @@ class DraftModelProposer:
         """input_ids: list or [T] tensor -> draft hidden states [T, hidden]."""
         positions, meta = batch_metadata(query_lens, seq_lens, tables, block_size, device)
         ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, device=device)
+        graphs = getattr(self, "graphs", None)  # set by ModelRunner.enable_cuda_graphs on a GPU
+        if graphs is not None and graphs.can_run(meta):
+            return graphs.run(ids, positions, meta)
         self.model.backend.prepare(meta)
         return self.model(ids, positions, self.kv_caches, meta)
 

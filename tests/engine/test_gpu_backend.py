@@ -28,3 +28,15 @@ def test_triton_matches_torch_greedy_fp32(tiny_model_dir, eager, chunk):
     got, llm = run(tiny_model_dir, attention_backend="triton", enforce_eager=eager, max_num_batched_tokens=chunk)
     assert (llm.engine.runner.graphs is None) == eager
     assert got == expected
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_greedy_on_gpu_graphs_matches_torch(tiny_llama_dir, method):
+    """Verification steps (1 + k tokens per request) and draft decode steps replayed from CUDA graphs."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(tiny_llama_dir)  # draft = target: every draft accepted
+    expected, _ = run(tiny_llama_dir, attention_backend="torch")
+    got, llm = run(tiny_llama_dir, attention_backend="triton", speculative_config=spec)
+    assert llm.engine.runner.graphs is not None
+    assert got == expected
