@@ -19,6 +19,7 @@ from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import LoadedModel, load_model
+from specserve.quant.bnb import cuda_graph_safe
 from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, format_bytes, weight_memory
 from specserve.sampling_params import SamplingParams
 from specserve.spec.metrics import SpecDecodingStats
@@ -132,7 +133,9 @@ class LLMEngine:
             self.runner.proposer = self.proposer
             self.runner.rejection_sampler = RejectionSampler(config.spec.simulated_acceptance, seed=mc.seed)
             self.scheduler.num_lookahead_tokens = self.proposer.num_lookahead_tokens
-        if self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton":
+        draft = getattr(self.proposer, "model", None)
+        if self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton" \
+                and cuda_graph_safe(self.loaded.model, draft):
             k = config.spec.num_speculative_tokens if config.spec else 0
             self.runner.enable_cuda_graphs(max_len, config.scheduler.max_num_seqs, (1, 1 + k))
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
