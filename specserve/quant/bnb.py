@@ -154,3 +154,19 @@ def move_unquantized(model: nn.Module, device: torch.device) -> None:
         for name, b in list(module._buffers.items()):
             if b is not None and b.device != device:
                 module._buffers[name] = b.to(device)
+
+
+def cuda_graph_safe(*models: nn.Module | None) -> bool:
+    """False when a model holds LLM.int8() layers with an outlier threshold: they pick the outlier
+    columns on the host at every matmul (`outliers.any()`), which CUDA graph capture cannot hold."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return True
+    for model in models:
+        if model is None:
+            continue
+        if any(isinstance(m, bnb.nn.Linear8bitLt) and m.state.threshold > 0 for m in model.modules()):
+            logger.info("CUDA graphs off: bitsandbytes-int8 (LLM.int8() outlier columns are picked on the host)")
+            return False
+    return True
