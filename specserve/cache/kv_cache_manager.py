@@ -245,6 +245,10 @@ class KVCacheManager:
         self.req_hashes[child_id] = list(self.req_hashes.get(parent_id, [])[:num_full])
         self.req_num_cached[child_id] = min(self.req_num_cached.get(parent_id, 0), num_full)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (benchmarks, tests); returns how many."""
+        return self.pool.reset_prefix_cache()
+
     # -- queries ---------------------------------------------------------------------------------
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]

@@ -14,9 +14,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def make_llm(model_dir, **kw) -> LLM:
-    args = dict(dtype="float32", device="cpu", block_size=BS, num_kv_blocks=256, max_model_len=256)
-    args.update(kw)
-    return LLM(str(model_dir), **args)
+    args = {"dtype": "float32", "device": "cpu", "block_size": BS, "num_kv_blocks": 256,
+            "max_model_len": 256}
+    return LLM(str(model_dir), **(args | kw))
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -27,7 +27,10 @@ def shared_prefix_workload(seed: int = 0) -> list[list[int]]:
     """System prompts of 37 (partial last block) and 24 (block-aligned) tokens with unique questions,
     identical prompts (whole prompt cached: the last token is recomputed), and unrelated prompts."""
     rng = random.Random(seed)
-    toks = lambda n: [rng.randrange(3, 300) for _ in range(n)]  # noqa: E731
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 300) for _ in range(n)]
+
     sys_a, sys_b = toks(37), toks(24)
     prompts = [sys_a + toks(rng.randrange(1, 12)) for _ in range(5)]
     prompts += [sys_b + toks(rng.randrange(1, 12)) for _ in range(4)]
@@ -53,9 +56,9 @@ def expected(tiny_model_dir, workload):
 
 
 @pytest.mark.parametrize("engine_args", [
-    dict(),
-    dict(max_num_batched_tokens=24),  # chunked prefill: hits and chunks mix
-    dict(num_kv_blocks=16, max_model_len=128, max_num_batched_tokens=64),  # eviction + preemption
+    {},
+    {"max_num_batched_tokens": 24},  # chunked prefill: hits and chunks mix
+    {"num_kv_blocks": 16, "max_model_len": 128, "max_num_batched_tokens": 64},  # eviction + preemption
 ], ids=["plain", "chunked", "pressure"])
 def test_greedy_output_with_cache_equals_without(tiny_model_dir, workload, expected, engine_args):
     llm = make_llm(tiny_model_dir, **engine_args)
@@ -96,7 +99,10 @@ def test_counters_and_cached_tokens_per_request(tiny_llama_dir):
 def test_salted_requests_share_only_with_the_same_salt(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir)
     prompt = {"prompt_token_ids": list(range(10, 50))}
-    salted = lambda salt: SamplingParams(temperature=0.0, max_tokens=4, cache_salt=salt)  # noqa: E731
+
+    def salted(salt: str | None) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=4, cache_salt=salt)
+
     assert llm.generate(prompt, salted("alice"))[0].num_cached_tokens == 0
     assert llm.generate(prompt, salted("bob"))[0].num_cached_tokens == 0
     assert llm.generate(prompt, salted(None))[0].num_cached_tokens == 0
@@ -134,7 +140,7 @@ def test_copy_on_write_copies_the_kv_in_the_runner(tiny_llama_dir):
     llm.generate({"prompt_token_ids": prompt}, GREEDY)  # cache it
     outs = generate(llm, [prompt, prompt])  # both hit all blocks; each recomputes token 15
     assert llm.engine.stats()["num_cow_copies"] == 1 and len(performed) == 1
-    src, dst, src_kv = performed[0]
+    _src, dst, src_kv = performed[0]
     # after the forward, dst holds the source's KV for tokens 8..14 and a recomputed token 15
     assert runner.kv_cache[:, :, dst, :BS - 1].equal(src_kv[:, :, :BS - 1])
     assert runner.kv_cache[:, :, dst, BS - 1].allclose(src_kv[:, :, BS - 1], atol=1e-5)

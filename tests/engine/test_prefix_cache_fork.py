@@ -17,7 +17,7 @@ BS = 8
 
 
 def make_llm(model_dir, **kw) -> LLM:
-    args = dict(dtype="float32", device="cpu", block_size=BS, num_kv_blocks=128, max_model_len=256)
+    args = {"dtype": "float32", "device": "cpu", "block_size": BS, "num_kv_blocks": 128, "max_model_len": 256}
     args.update(kw)
     return LLM(str(model_dir), **args)
 
@@ -57,9 +57,8 @@ def test_the_prompt_is_prefilled_once_and_only_the_partial_block_is_copied(tiny_
     for caching in (True, False):
         llm = make_llm(tiny_llama_dir, enable_prefix_caching=caching)
         computed = []
-        execute = llm.engine.runner.execute
 
-        def spy(sched):
+        def spy(sched, computed=computed, execute=llm.engine.runner.execute):
             computed.append(sched.num_batched_tokens)
             return execute(sched)
 

@@ -1,0 +1,234 @@
+"""Prefix-cache benchmark: a shared-system-prompt workload with the cache on and off, in one run.
+
+Workload: `--groups` groups x `--per-group` requests, all arriving at once. A group shares a system
+prompt of S tokens (ShareGPT reply text) and every request appends its own question (ShareGPT human
+turns) up to `--prompt-len` tokens; outputs are `--max-tokens` long (ignore_eos). The first request
+of a group computes the system prompt and the others reuse its blocks, even within the same step
+(blocks are registered when scheduled), so the hit rate is (R - 1) / R * S / L; S is rounded down to
+whole blocks. With R = 8 and L = 112: S = 0 / 32 / 64 / 96 -> 0 / 25 / 50 / 75 %
+(the defaults, L = 56 and S = 0 / 16 / 32 / 48, give the same rates at half the compute).
+
+Per point and mode: mean TTFT (RequestOutput.metrics), total throughput ((prompt + output tokens) /
+wall time of the run), the measured hit rate (cached prompt tokens / prompt tokens, per request), and
+the host time spent in the scheduler (where all prefix-cache bookkeeping runs). The two engines run
+alternately, point by point, on the same model; the cache is reset between runs. Each point runs
+`--repeats` (off, on) pairs, the 0 % point `--zero-repeats` (it checks that caching costs nothing
+when nothing hits, a difference of a few percent), and reports medians.
+
+    python bench/prefix_cache.py --out bench/results/prefix_cache_cpu.json --md bench/results/prefix_cache_cpu.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prompts import sharegpt_conversations
+
+from specserve import LLM, SamplingParams
+
+
+class TokenStream:
+    """Consecutive, never reused slices of one long token stream built from texts."""
+
+    def __init__(self, tokenizer, texts: list[str]) -> None:
+        self.ids = [t for text in texts for t in tokenizer.encode(text, add_special_tokens=False)]
+        self.pos = 0
+
+    def take(self, n: int) -> list[int]:
+        if self.pos + n > len(self.ids):
+            raise ValueError("not enough prompt text for this workload; lower --groups / --prompt-len")
+        out = self.ids[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+
+def build_workload(tokenizer, hit_rates: list[float], groups: int, per_group: int, prompt_len: int,
+                   block_size: int) -> dict[float, tuple[int, list[list[int]]]]:
+    """hit rate -> (system prompt tokens, prompts), every system prompt and question unique."""
+    pairs = sharegpt_conversations(limit=3000)
+    systems = TokenStream(tokenizer, [reply for _, reply in pairs])
+    questions = TokenStream(tokenizer, [human for human, _ in pairs])
+    out = {}
+    for h in hit_rates:
+        share = h * per_group / (per_group - 1) if per_group > 1 else 0.0
+        sys_len = int(share * prompt_len) // block_size * block_size
+        if sys_len >= prompt_len:
+            raise ValueError(f"hit rate {h} needs a system prompt as long as the whole prompt")
+        prompts = []
+        for _ in range(groups):
+            system = systems.take(sys_len)
+            prompts += [system + questions.take(prompt_len - sys_len) for _ in range(per_group)]
+        out[h] = (sys_len, prompts)
+    return out
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    engine = llm.engine
+    sched_time = [0.0]
+    schedule, update = engine.scheduler.schedule, engine.scheduler.update_from_output
+
+    def timed(fn):
+        def wrapper(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                sched_time[0] += time.perf_counter() - t0
+        return wrapper
+
+    engine.scheduler.schedule, engine.scheduler.update_from_output = timed(schedule), timed(update)
+    before = engine.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    wall = time.perf_counter() - t0
+    engine.scheduler.schedule, engine.scheduler.update_from_output = schedule, update
+    after = engine.stats()
+    ttfts = [o.metrics.time_to_first_token for o in outs]
+    num_prompt = sum(len(p) for p in prompts)
+    num_output = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "mean_ttft_s": statistics.fmean(ttfts), "p50_ttft_s": statistics.median(ttfts),
+        "max_ttft_s": max(ttfts), "wall_s": wall,
+        "total_tokens_per_s": (num_prompt + num_output) / wall, "output_tokens_per_s": num_output / wall,
+        "num_prompt_tokens": num_prompt, "num_output_tokens": num_output,
+        "hit_rate": sum(o.num_cached_tokens for o in outs) / num_prompt,
+        "prefix_cache_queries": after["prefix_cache_queries"] - before["prefix_cache_queries"],
+        "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+        "num_cow_copies": after["num_cow_copies"] - before["num_cow_copies"],
+        "num_evictions": after["num_evictions"] - before["num_evictions"],
+        "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "scheduler_s": sched_time[0], "tokens": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The median of every metric over the repeated runs of one point and mode."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"num_runs": len(runs)}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def markdown(result: dict, command: str) -> str:
+    c = result["config"]
+    lines = [
+        f"# Prefix cache, CPU ({c['model']}, {c['dtype']})", "",
+        (f"Workload: {c['groups']} groups x {c['per_group']} requests, all at once; prompts of "
+        f"{c['prompt_len']} tokens = a shared system prompt + a unique question (ShareGPT text); "
+        f"{c['max_tokens']} output tokens each (greedy, ignore_eos); block size {c['block_size']}. "
+        f"Host: {result['host']['cpu']} ({result['host']['num_cpus']} cores, torch "
+        f"{result['host']['torch']}), load average {result['host']['loadavg_start']} at start, "
+        f"{result['host']['loadavg_end']} at the end (other jobs shared the machine)."), "",
+        ("Medians over the (off, on) pairs of each point; tok/s = (prompt + output tokens) / wall time; "
+        "scheduler s = host time in schedule() + update_from_output(), where all prefix-cache "
+        "bookkeeping runs; same output = greedy tokens identical with the cache on and off."), "",
+        ("| target hit | system prompt | measured hit | pairs | mean TTFT off (s) | mean TTFT on (s) "
+        "| TTFT off/on | tok/s off | tok/s on | on/off | scheduler s off / on | same output |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in result["points"]:
+        off, on = p["off"], p["on"]
+        lines.append(
+            f"| {p['target_hit_rate']:.0%} | {p['system_prompt_tokens']} | {on['hit_rate']:.1%} | {on['num_runs']} "
+            f"| {off['mean_ttft_s']:.2f} | {on['mean_ttft_s']:.2f} | {off['mean_ttft_s'] / on['mean_ttft_s']:.2f}x "
+            f"| {off['total_tokens_per_s']:.1f} | {on['total_tokens_per_s']:.1f} "
+            f"| {on['total_tokens_per_s'] / off['total_tokens_per_s']:.3f} "
+            f"| {off['scheduler_s']:.3f} / {on['scheduler_s']:.3f} | {p['same_output']} |")
+    lines += ["", f"Total run time: {result['total_s']:.0f} s.", "", "Command:", "", f"    {command}", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", default="auto", help="auto = the checkpoint's (bf16 for the default model)")
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--per-group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=56)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1, help="(off, on) pairs per point, order alternating")
+    ap.add_argument("--zero-repeats", type=int, default=3, help="pairs at the 0%% point (the overhead check)")
+    ap.add_argument("--hit-rates", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75])
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-memory", type=int, default=128 << 20)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--md", default=None)
+    args = ap.parse_args()
+    command = "python " + " ".join([sys.argv[0]] + sys.argv[1:])
+    t_start = time.perf_counter()
+    loadavg_start = os.getloadavg()
+
+    engine_args = {"dtype": args.dtype, "device": "cpu", "block_size": args.block_size,
+                       "kv_cache_memory": args.kv_cache_memory}
+    llms = {mode: LLM(args.model, enable_prefix_caching=(mode == "on"), **engine_args) for mode in ("off", "on")}
+    tokenizer = llms["on"].tokenizer
+    workload = build_workload(tokenizer, args.hit_rates, args.groups, args.per_group, args.prompt_len,
+                              args.block_size)
+    for llm in llms.values():  # warm-up: first-call overheads out of the measurement
+        llm.generate({"prompt_token_ids": list(range(1000, 1040))}, SamplingParams(max_tokens=2))
+        llm.engine.kv_manager.reset_prefix_cache()
+
+    points, num_pairs = [], 0
+    for h in args.hit_rates:
+        sys_len, prompts = workload[h]
+        runs: dict[str, list[dict]] = {"off": [], "on": []}
+        same = True
+        for _ in range(args.zero_repeats if h == 0 else args.repeats):
+            order = ("off", "on") if num_pairs % 2 == 0 else ("on", "off")  # drift favours neither
+            num_pairs += 1
+            tokens = {}
+            for mode in order:
+                res = run(llms[mode], prompts, args.max_tokens)
+                tokens[mode] = res.pop("tokens")
+                runs[mode].append(res)
+                llms[mode].engine.kv_manager.reset_prefix_cache()
+            same &= tokens["on"] == tokens["off"]
+        point = {"target_hit_rate": h, "system_prompt_tokens": sys_len, "same_output": same,
+                 **{mode: summarize(r) for mode, r in runs.items()}, "runs": runs}
+        points.append(point)
+        off, on = point["off"], point["on"]
+        print(f"hit {h:.0%}: measured {on['hit_rate']:.1%}  TTFT off {off['mean_ttft_s']:.2f}s "
+              f"on {on['mean_ttft_s']:.2f}s  tok/s off {off['total_tokens_per_s']:.1f} "
+              f"on {on['total_tokens_per_s']:.1f}  same output: {same}", flush=True)
+
+    loaded = llms["on"].engine.loaded
+    result = {
+        "config": {"model": args.model or "SmolLM2-135M-Instruct (default)", "dtype": str(loaded.dtype),
+                   "groups": args.groups, "per_group": args.per_group, "prompt_len": args.prompt_len,
+                   "max_tokens": args.max_tokens, "block_size": args.block_size, "repeats": args.repeats,
+                   "zero_repeats": args.zero_repeats,
+                   "num_kv_blocks": llms["on"].engine.stats()["num_blocks"]},
+        "host": {"cpu": cpu_name(), "num_cpus": os.cpu_count(),
+                 "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                 "loadavg_start": [round(x, 1) for x in loadavg_start],
+                 "loadavg_end": [round(x, 1) for x in os.getloadavg()]},
+        "points": points, "total_s": time.perf_counter() - t_start, "command": command,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.md:
+        Path(args.md).write_text(markdown(result, command))
+    print(markdown(result, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
