@@ -1,19 +1,21 @@
 """Adaptive speculation length: how many drafts each request gets next step (0 = do not speculate).
 
-Speculation pays when the extra verification tokens are nearly free (the target forward is bound
-by reading weights, not by compute) and drafts are likely accepted. The cost model is deterministic,
+Speculation pays when the extra verification tokens are cheap (the target forward is bound by
+reading weights, not by compute) and drafts are likely accepted. The cost model is deterministic,
 so the same inputs always give the same k (greedy output never depends on k anyway):
 
-- a target forward over N tokens costs `max(1, N / compute_bound_tokens)` steps: flat while memory
-  bound, linear once the batch saturates compute;
+- a target forward over N tokens costs `1 + N / compute_bound_tokens` steps (reading the weights
+  once, plus compute per token; `compute_bound_tokens` is the ridge point where the two are equal).
+  The sum, not the max, of the two: conservative, and close to what CPUs measure;
 - each autoregressive draft-model step costs `draft_cost` target steps (0 for n-gram lookup);
 - request r accepts a draft (given the previous one was accepted) with probability alpha_r,
   estimated per request from its verifications (decayed counts plus a prior), so its j-th draft
   adds alpha_r ** j expected tokens.
 
 `plan` adds (request, j) drafts in order of decreasing alpha_r ** j while the expected tokens per
-unit of time improve. At high concurrency the batch alone saturates compute and every k is 0:
-speculation switches itself off instead of slowing the server down.
+unit of time improve: a draft is worth it iff alpha_r ** j >= (tokens / cost) / compute_bound_tokens
+(+ the draft step's cost), so the bar rises with the batch. At high concurrency it exceeds 1 and
+every k is 0: speculation switches itself off instead of slowing the server down.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ class AdaptiveK:
         self._est.pop(req_id, None)
 
     def _step_cost(self, num_tokens: int, num_draft_steps: int) -> float:
-        return max(1.0, num_tokens / self.compute_bound_tokens) + num_draft_steps * self.draft_cost
+        return 1.0 + num_tokens / self.compute_bound_tokens + num_draft_steps * self.draft_cost
 
     def plan(self, rooms: dict[str, int], num_base_tokens: int, max_spec_tokens: int) -> dict[str, int]:
         """k per request. rooms: req_id -> most drafts it may take (max_tokens / max_model_len);
