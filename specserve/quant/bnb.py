@@ -135,12 +135,11 @@ def quantize_linears(model: nn.Module, method: str, device: torch.device, dtype:
     """Replace the projections by bitsandbytes layers on `device`; returns how many were replaced."""
     if method == INT8:
         silence_int8_cast_warning()
-    count = 0
-    for parent, name, linear in list(target_linears(model)):
-        setattr(parent, name, quantize_linear(linear, method, device, dtype, double_quant))
-        del linear  # the float weight can go as soon as its replacement exists
-        count += 1
-    return count
+    slots = [(parent, name) for parent, name, _ in target_linears(model)]  # no references to the weights
+    for parent, name in slots:
+        # the float layer is dropped as soon as its replacement is set: one float layer at a time
+        setattr(parent, name, quantize_linear(getattr(parent, name), method, device, dtype, double_quant))
+    return len(slots)
 
 
 def move_unquantized(model: nn.Module, device: torch.device) -> None:
@@ -167,6 +166,6 @@ def cuda_graph_safe(*models: nn.Module | None) -> bool:
         if model is None:
             continue
         if any(isinstance(m, bnb.nn.Linear8bitLt) and m.state.threshold > 0 for m in model.modules()):
-            logger.info("CUDA graphs off: bitsandbytes-int8 (LLM.int8() outlier columns are picked on the host)")
+            logger.info("CUDA graphs off: bitsandbytes-int8 picks LLM.int8() outlier columns on the host")
             return False
     return True

@@ -39,7 +39,8 @@ def test_prequantized_checkpoint_serves_its_stored_weights(tiny_llama_dir, tmp_p
     assert llm.engine.loaded.quantization == method
     ours = llm.engine.loaded.model.layers[1]
     theirs = hf.model.layers[1]
-    expected_qkv = torch.cat([hf_dequantized(getattr(theirs.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj")])
+    expected_qkv = torch.cat([hf_dequantized(getattr(theirs.self_attn, n))
+                              for n in ("q_proj", "k_proj", "v_proj")])
     torch.testing.assert_close(hf_dequantized(ours.self_attn.qkv_proj), expected_qkv, rtol=0, atol=1e-6)
     expected_down = hf_dequantized(theirs.mlp.down_proj)
     torch.testing.assert_close(hf_dequantized(ours.mlp.down_proj), expected_down, rtol=0, atol=1e-6)
@@ -82,7 +83,8 @@ def test_converted_q4_checkpoint_warns_on_nf4(tiny_llama_dir, tmp_path, caplog, 
 
     marked = tmp_path / "converted"
     shutil.copytree(tiny_llama_dir, marked)
-    (marked / PROVENANCE_FILE).write_text(json.dumps({"source_format": "gguf", "source_quantization": "Q4_K"}))
+    marker = {"source_format": "gguf", "source_quantization": "Q4_K"}
+    (marked / PROVENANCE_FILE).write_text(json.dumps(marker))
     assert source_quantization(marked) == "Q4_K"
     assert source_quantization(tiny_llama_dir) is None
     with caplog.at_level(logging.WARNING, logger="specserve.quant.checkpoint"):
