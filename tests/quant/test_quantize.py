@@ -103,6 +103,15 @@ def test_quantized_embeddings_and_lm_head(tiny_model_dir, method):
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
 
 
+def test_dummy_weights_quantize(tiny_qwen2_dir):
+    """--load-format dummy (random weights of a shape) quantizes too: the benchmarks' GPU path."""
+    llm = LLM(str(tiny_qwen2_dir / "config.json"), load_format="dummy", dtype="bfloat16", device="cpu",
+              quantization=NF4, num_kv_blocks=16)
+    assert isinstance(llm.engine.loaded.model.layers[0].self_attn.qkv_proj, bnb.nn.Linear4bit)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)
+    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
 # -- refusals ------------------------------------------------------------------------------------
 def test_unsupported_combinations_are_refused(monkeypatch):
     from specserve.config import ModelConfig
