@@ -7,6 +7,7 @@ reads that directory directly.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -100,3 +101,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     model = model.to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    from specserve.quant.checkpoint import PROVENANCE_FILE, source_quantization
+
+    # the weights went through the GGUF's quantization: re-quantizing them to 4 bits warns
+    (out / PROVENANCE_FILE).write_text(json.dumps({"source": gguf.name,
+                                                   "source_quantization": source_quantization(gguf)}))
