@@ -3,6 +3,7 @@ add_request / step / abort). The AsyncEngine wrapping it for servers lives in as
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 import uuid
@@ -146,6 +147,7 @@ class LLMEngine:
 
     def _auto_num_blocks(self, block_bytes: int, max_len: int) -> int:
         if self.device.type == "cuda":
+            gc.collect()  # an engine dropped just before (benchmarks) frees its KV cache now
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info(self.device)
             # memory this process's allocator holds but does not use is available to us
