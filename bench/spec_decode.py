@@ -53,9 +53,9 @@ def load_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     out = {}
     if "humaneval" in args.datasets:
-        texts = humaneval_prompts()[:need]
-        out["humaneval"] = [tokenizer.encode(chat(HUMANEVAL_INSTRUCTION + t), add_special_tokens=False)
-                            for t in texts]
+        ids = [tokenizer.encode(chat(HUMANEVAL_INSTRUCTION + t), add_special_tokens=False)
+               for t in humaneval_prompts()]
+        out["humaneval"] = [p for p in ids if len(p) <= args.max_prompt_len][:need]
     if "sharegpt" in args.datasets:
         texts = [h for h, _ in sharegpt_conversations(limit=4 * need)]
         ids = [tokenizer.encode(chat(t), add_special_tokens=False) for t in texts]
@@ -68,32 +68,37 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
     engine = llm.engine
     before = engine.stats()
     pending = list(enumerate(prompts))
-    num_out, steps = 0, 0
+    num_out, steps, in_flight, tpots = 0, 0, 0, []
     t0 = time.perf_counter()
-    in_flight = 0
     while pending or engine.has_unfinished():
         while pending and in_flight < concurrency:
             i, p = pending.pop(0)
-            engine.add_request(f"b{id(prompts)}-{concurrency}-{i}", {"prompt_token_ids": p}, params)
+            engine.add_request(f"b{time.monotonic_ns()}-{i}", {"prompt_token_ids": p}, params)
             in_flight += 1
         for out in engine.step():
             if out.finished:
                 in_flight -= 1
-                num_out += len(out.outputs[0].token_ids)
+                n = len(out.outputs[0].token_ids)
+                num_out += n
+                m = out.metrics
+                if n > 1:
+                    tpots.append((m.finished_time - m.first_token_time) / (n - 1))
         steps += 1
     elapsed = time.perf_counter() - t0
     after = engine.stats()
-    drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-    draft_tokens = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    delta = {k: after[k] - before[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                               "spec_decode_num_accepted_tokens")}
+    drafts, accepted = delta["spec_decode_num_drafts"], delta["spec_decode_num_accepted_tokens"]
     assert after["num_used_blocks"] == 0
     return {
         "requests": len(prompts), "output_tokens": num_out, "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(num_out / elapsed, 2), "steps": steps,
         "tokens_per_step": round(num_out / steps, 3),
-        "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+        "mean_tpot_ms": round(1000 * sum(tpots) / len(tpots), 2) if tpots else None,
+        "num_drafts": drafts, "num_draft_tokens": delta["spec_decode_num_draft_tokens"],
+        "num_accepted_tokens": accepted,
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-        "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else None,
+        "acceptance_rate": round(accepted / delta["spec_decode_num_draft_tokens"], 3) if drafts else None,
     }
 
 
@@ -101,6 +106,8 @@ def configs(args) -> list[tuple[str, dict | None]]:
     """(name, speculative_config): the baseline first."""
     k = args.num_speculative_tokens
     base = dict(num_speculative_tokens=k, adaptive=not args.no_adaptive)
+    if args.compute_bound_tokens:
+        base["compute_bound_tokens"] = args.compute_bound_tokens
     if args.device == "cpu" or not args.draft_model:
         out = [("none", None), ("ngram", dict(base, method="ngram"))]
         if args.draft_model:
@@ -112,6 +119,34 @@ def configs(args) -> list[tuple[str, dict | None]]:
     out += [(f"draft sim {a}", dict(draft, model=args.draft_model, simulated_acceptance=a))
             for a in args.simulated_acceptance]
     return out
+
+
+class Setup:
+    """A named configuration: an engine, and the proposer it runs with (None = no speculation).
+    N-gram needs no KV, so on the CPU "none" and "ngram" share one engine (and its prefix cache)."""
+
+    def __init__(self, name: str, llm: LLM, proposer) -> None:
+        self.name, self.llm, self.proposer = name, llm, proposer
+
+    def run(self, prompts, concurrency, params) -> dict:
+        self.llm.engine.runner.proposer = self.proposer
+        return run_level(self.llm, prompts, concurrency, params)
+
+
+def build_setups(args, group, engine_args) -> list[Setup]:
+    setups, shared = [], None
+    for name, spec in group:
+        if args.device == "cpu" and (spec is None or spec["method"] == "ngram"):
+            if shared is None:
+                shared = LLM(args.model, speculative_config=dict(configs(args)[1][1]), **engine_args)
+            llm = shared
+            proposer = None if spec is None else shared.engine.proposer
+        else:
+            llm = LLM(args.model, speculative_config=spec, **engine_args)
+            proposer = llm.engine.proposer
+        llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=4))  # warm up
+        setups.append(Setup(name, llm, proposer))
+    return setups
 
 
 def main() -> int:
@@ -129,47 +164,53 @@ def main() -> int:
     ap.add_argument("--max-prompt-len", type=int, default=384)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--no-adaptive", action="store_true")
+    ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")
     ap.add_argument("--simulated-acceptance", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     ap.add_argument("--out", default=None, help="path without suffix: writes .json and .md")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    engine_args = dict(dtype=args.dtype, device=args.device, load_format=args.load_format,
-                       max_num_seqs=max(args.concurrency), max_model_len=args.max_prompt_len + args.max_tokens + 64
-                       if args.load_format != "dummy" else args.prompt_len + args.max_tokens + 64)
     dummy = args.load_format == "dummy"
+    max_len = (args.prompt_len if dummy else args.max_prompt_len) + args.max_tokens + 64
+    engine_args = dict(dtype=args.dtype, device=args.device, load_format=args.load_format,
+                       max_num_seqs=max(args.concurrency), max_model_len=max_len,
+                       kv_cache_memory=args.kv_cache_memory)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=dummy)
     results = {"command": " ".join([Path(sys.executable).name] + sys.argv), "device": args.device,
                "platform": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                "load_avg_start": os.getloadavg(), "model": args.model or "SmolLM2-135M-Instruct",
                "dtype": args.dtype, "max_tokens": args.max_tokens, "k": args.num_speculative_tokens,
                "adaptive": not args.no_adaptive, "levels": []}
-    # CPU: every engine alive, each level measured back to back (fair under a varying machine load);
-    # GPU: one engine at a time (memory), all levels each.
-    interleave = args.device == "cpu"
+    # CPU: all setups alive, each level measured back to back (fair under a varying machine load);
+    # GPU: one engine at a time (memory), all levels each. Before the timed runs every level's prompts
+    # are prefilled once into the prefix cache, so the identical prefill cost does not dilute the
+    # comparison of decoding (what speculation changes).
     names = [name for name, _ in configs(args)]
-    llms: dict[str, LLM] = {}
+    groups = [configs(args)] if args.device == "cpu" else [[c] for c in configs(args)]
     rows: dict[tuple[str, int], dict] = {}
     prompts = None
-    for group in ([configs(args)] if interleave else [[c] for c in configs(args)]):
-        for name, spec in group:
-            llms[name] = LLM(args.model, speculative_config=spec, **engine_args)
-            llms[name].generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=4))  # warm up
-        prompts = prompts or load_prompts(args, next(iter(llms.values())).tokenizer)
+    for group in groups:
+        setups = build_setups(args, group, engine_args)
+        prompts = prompts or load_prompts(args, setups[0].llm.tokenizer)
         for dataset, ids in prompts.items():
             offset = 0
             for c in args.concurrency:
                 n = requests_per_level(c, args.min_requests)
                 level_prompts, offset = ids[offset:offset + n], offset + n
+                for llm in {id(s.llm): s.llm for s in setups}.values():
+                    llm.engine.runner.proposer = None
+                    llm.generate([{"prompt_token_ids": p} for p in level_prompts], SamplingParams(max_tokens=1))
                 row = rows.setdefault((dataset, c), {"dataset": dataset, "concurrency": c})
-                for name, llm in llms.items():
-                    row[name] = run_level(llm, level_prompts, c, params)
-                    print(f"{dataset:9s} c={c:3d} {name:14s} {row[name]['tokens_per_s']:8.2f} tok/s  "
-                          f"mean acceptance length {row[name]['mean_acceptance_length']}", flush=True)
-        if not interleave:
-            llms.clear()
+                for s in setups:
+                    row[s.name] = s.run(level_prompts, c, params)
+                    print(f"{dataset:9s} c={c:3d} {s.name:14s} {row[s.name]['tokens_per_s']:8.2f} tok/s  "
+                          f"TPOT {row[s.name]['mean_tpot_ms']} ms  mean acceptance length "
+                          f"{row[s.name]['mean_acceptance_length']}", flush=True)
+        del setups
+        if args.device != "cpu":
             torch.cuda.empty_cache()
     for row in rows.values():
         for name in names[1:]:

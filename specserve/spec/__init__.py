@@ -24,11 +24,14 @@ logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def default_compute_bound_tokens(device: torch.device) -> int:
-    """Tokens per forward past which the target stops being bound by weight reads (the ridge point
-    of the hardware, measured: docs/speculative.md). Override with speculative_config
-    {"compute_bound_tokens": N}."""
-    return 128 if device.type == "cuda" else 8
+def default_compute_bound_tokens(device: torch.device, dtype: torch.dtype) -> int:
+    """The target's ridge point in tokens per forward: where reading the weights and computing
+    the tokens take equally long (docs/speculative.md). CUDA: ~128 (H200 bf16). CPU, measured on the
+    2-core AVX2 machine here with SmolLM2: fp32 ~24; bf16/fp16 ~2 (no native half-precision math:
+    every token costs half a step). Override with speculative_config {"compute_bound_tokens": N}."""
+    if device.type == "cuda":
+        return 128
+    return 24 if dtype == torch.float32 else 2
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
@@ -48,11 +51,12 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
                    max_num_batched_tokens: int, seed: int = 0, draft_model=None) -> Proposer:
     """The proposer for `spec`. For a draft model, `draft_model` may be an already-built module of
     our family (e.g. the target's weights quantized); otherwise `spec.model` is loaded."""
-    policy = AdaptiveK(spec.num_speculative_tokens, adaptive=spec.adaptive,
-                       compute_bound_tokens=spec.compute_bound_tokens or default_compute_bound_tokens(device))
+    ridge = spec.compute_bound_tokens or default_compute_bound_tokens(device, target.dtype)
+    policy = AdaptiveK(spec.num_speculative_tokens, adaptive=spec.adaptive, compute_bound_tokens=ridge)
     if spec.method == "ngram":
         from specserve.spec.ngram import NgramProposer
 
+        policy.decay = 0.95  # estimates per match length pool all requests: a longer memory
         return NgramProposer(policy, prompt_lookup_min=spec.prompt_lookup_min,
                              prompt_lookup_max=spec.prompt_lookup_max,
                              max_num_batched_tokens=max_num_batched_tokens)

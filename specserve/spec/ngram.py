@@ -15,20 +15,21 @@ import torch
 
 from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from specserve.engine.request import Request
-from specserve.spec.adaptive import AdaptiveK, plan_step
+from specserve.spec.adaptive import AdaptiveK, sampled_slots
 
 
-def find_ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+def find_ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarray, int]:
     """Drafts for the context `tokens` ([L] int64): the tokens that followed the longest earlier
     occurrence (>= min_n tokens) of the context's suffix. Among equally long matches, prefer one
-    followed by k tokens, then the most recent. Returns [<= k] (empty: no match)."""
+    followed by k tokens, then the most recent. Returns ([<= k] drafts, match length); no match:
+    (empty, 0)."""
     length = len(tokens)
     if length < 2 or k <= 0:
-        return tokens[:0]
+        return tokens[:0], 0
     # candidate match ends: earlier positions holding the last token
     ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
     if len(ends) == 0:
-        return tokens[:0]
+        return tokens[:0], 0
     match = np.ones(len(ends), dtype=np.int64)  # matched suffix length per candidate
     alive = np.ones(len(ends), dtype=bool)
     for j in range(1, min(max_n, length - 1)):
@@ -39,13 +40,13 @@ def find_ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.
         alive = ok
         if not alive.any():
             break
-    best = match.max()
+    best = int(match.max())
     if best < min_n:
-        return tokens[:0]
+        return tokens[:0], 0
     cands = ends[match == best]
     full = cands[cands + k < length]  # followed by k tokens
     start = (full[-1] if len(full) else cands[-1]) + 1
-    return tokens[start:start + k]
+    return tokens[start:start + k], best
 
 
 class _Context:
@@ -77,11 +78,13 @@ class NgramProposer:
 
     def __init__(self, policy: AdaptiveK, *, prompt_lookup_min: int, prompt_lookup_max: int,
                  max_num_batched_tokens: int) -> None:
+        """`policy` estimates acceptance per match length (the key), not per request."""
         self.policy = policy
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.max_model_len = 0  # set by bind()
         self.max_num_batched_tokens = max_num_batched_tokens
         self._contexts: dict[str, _Context] = {}
+        self._match_len: dict[str, int] = {}  # the match length of each request's current drafts
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 0
@@ -92,22 +95,35 @@ class NgramProposer:
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self._contexts.pop(req_id, None)
-            self.policy.remove(req_id)
+            self._match_len.pop(req_id, None)
 
 
     def propose(self, runner, sched: SchedulerOutput, inputs, hidden: torch.Tensor,
                 out: ModelRunnerOutput) -> dict[str, list[int]]:
-        drafts: dict[str, list[int]] = {}
-        for slot in plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens):
-            if slot.k <= 0:
+        slots, num_base = sampled_slots(self.policy, sched, out, self.max_model_len,
+                                        key_of=lambda req_id: self._match_len.get(req_id, 0))
+        budget = self.max_num_batched_tokens - num_base
+        if budget <= 0 or not slots or not self.policy.worth_trying(len(slots), num_base):
+            return {}  # no draft can pay off in this batch: skip even the lookups
+        found: dict[str, np.ndarray] = {}
+        keys: dict[str, int] = {}
+        for slot in slots:
+            if slot.room <= 0:
                 continue
             req = slot.sched.request
             ctx = self._contexts.get(req.request_id)
             if ctx is None:
                 ctx = self._contexts[req.request_id] = _Context()
-            found = find_ngram_drafts(ctx.sync(req, slot.new_ids), self.min_n, self.max_n, slot.k)
-            if len(found):
-                drafts[req.request_id] = found.tolist()
+            tokens, n = find_ngram_drafts(ctx.sync(req, slot.new_ids), self.min_n, self.max_n,
+                                          min(slot.room, self.policy.max_k))
+            if n:
+                found[req.request_id], keys[req.request_id] = tokens, n
+        if not found:
+            return {}
+        ks = self.policy.plan({r: len(t) for r, t in found.items()}, num_base, budget, keys)
+        drafts = {r: found[r][:k].tolist() for r, k in ks.items() if k > 0}
+        for r in drafts:
+            self._match_len[r] = keys[r]
         return drafts
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:

@@ -67,7 +67,9 @@ def test_greedy_identity_with_unrelated_drafts(tiny_llama_dir, request, draft):
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_greedy_identity_with_adaptive_k(tiny_llama_dir, noisy_draft_dir, method):
-    cfg = spec_config(method, 4, noisy_draft_dir, adaptive=True)
+    # the noisy draft is as big as the target (draft_cost 1.0 would rightly switch it off): say it is cheap
+    cfg = spec_config(method, 4, noisy_draft_dir, adaptive=True,
+                      **({"draft_cost": 0.1} if method == "draft_model" else {}))
     llm, got = generate(tiny_llama_dir, "mixed", speculative_config=cfg)
     assert got == reference(tiny_llama_dir, "mixed")
     assert llm.engine.stats()["spec_decode_num_drafts"] > 0

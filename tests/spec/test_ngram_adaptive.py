@@ -11,13 +11,15 @@ from specserve.spec.ngram import find_ngram_drafts
 
 
 def drafts(tokens, k=3, min_n=1, max_n=4):
-    return find_ngram_drafts(np.array(tokens, dtype=np.int64), min_n, max_n, k).tolist()
+    return find_ngram_drafts(np.array(tokens, dtype=np.int64), min_n, max_n, k)[0].tolist()
 
 
 # -- n-gram lookup -------------------------------------------------------------------------------
 def test_longest_match_wins():
     # suffix [7, 8] occurs at 1-2 (followed by 1 2 3) and [8] alone at 6 (followed by 9 9 9)
-    assert drafts([0, 7, 8, 1, 2, 3, 8, 9, 9, 9, 5, 7, 8]) == [1, 2, 3]
+    tokens = [0, 7, 8, 1, 2, 3, 8, 9, 9, 9, 5, 7, 8]
+    assert drafts(tokens) == [1, 2, 3]
+    assert find_ngram_drafts(np.array(tokens), 1, 4, 3)[1] == 2  # the match length
 
 
 def test_most_recent_of_equal_matches_with_full_continuation():
