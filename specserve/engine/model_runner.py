@@ -170,8 +170,9 @@ class ModelRunner:
         self.graphs.capture()
         draft = getattr(self.proposer, "model", None)
         if draft is not None and hasattr(self.proposer, "kv_caches"):
+            # its catch-up forwards (bonus token + accepted drafts) are 1 + k tokens at most, like a verification
             self.proposer.graphs = DecodeGraphs(draft, self.proposer.kv_caches, self.device, self.block_size,
-                                                max_model_len, max_num_seqs)
+                                                max_model_len, max_num_seqs, query_lens)
             self.proposer.graphs.capture()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
