@@ -85,14 +85,13 @@ def bench_hf(args) -> dict:
     for batch in args.hf_batches:
         ids = torch.tensor(prompts(batch, args.prompt_len, vocab, 7), device="cuda")
         new = args.new_tokens if batch > 1 else min(args.new_tokens, 64)
-        gen = lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,  # noqa: E731
-                                     min_new_tokens=new, do_sample=False, pad_token_id=0)
         with torch.inference_mode():
             model.generate(ids[:, :16], attention_mask=torch.ones_like(ids[:, :16]), max_new_tokens=4,
                            do_sample=False, pad_token_id=0)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            gen()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
             torch.cuda.synchronize()
         result[f"hf_batch{batch}_tok_s"] = batch * new / (time.perf_counter() - t0)
     return result
