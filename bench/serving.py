@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from prompts import sharegpt_conversations
 from specserve.client import AsyncClient, OutputTextDelta, ResponseDone, SpecserveError
 
 REPO = Path(__file__).resolve().parents[1]
+ENV_KEYS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")  # recorded: they change CPU numbers
 
 
 @dataclass
@@ -255,10 +257,15 @@ def main(argv: list[str] | None = None) -> int:
 
     server = None
     if args.url is None:
-        log = (args.out.with_suffix(".server.log") if args.out else Path("serving_server.log"))
+        log = Path(tempfile.mkstemp(prefix="specserve-serving-", suffix=".log")[1])
+        print(f"server log: {log}", flush=True)
         server = ServerProcess(args.model, shlex.split(args.server_args), log)
     url = args.url or server.url
-    report = {"command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+    env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
+    words = [sys.argv[0], *(argv or sys.argv[1:])]
+    report = {"command": prefix + "python " + " ".join(shlex.quote(a) for a in words),
+              "env": env,
               "server_command": (" ".join(server.cmd[2:]).replace("specserve.cli", "specserve", 1)
                                  if server else None),
               "url": url, "model": args.model or "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens,

@@ -231,6 +231,12 @@ class AsyncClient:
         except ConnectionClosed as e:
             raise SpecserveError("connection_closed", f"the connection is closed: {e}") from None
 
+    async def _cancel_quietly(self, response_id: str) -> None:
+        try:
+            await self._send({"type": "response.cancel", "response_id": response_id})
+        except SpecserveError:
+            pass  # the socket is gone: the server cancels everything of it anyway
+
     def _forget(self, response_id: str) -> None:
         self._streams.pop(response_id, None)
 
@@ -254,8 +260,7 @@ class AsyncClient:
             stream = AsyncResponseStream(self, event.response.id, self.read_timeout)
             future = self._pending.get(event.event_id or "")
             if future is None or future.done():  # nobody waits: cancel what we would never read
-                cancel = {"type": "response.cancel", "response_id": event.response.id}
-                asyncio.ensure_future(self._send(cancel))
+                asyncio.ensure_future(self._cancel_quietly(event.response.id))
                 return
             self._streams[stream.id] = stream
             future.set_result(stream)

@@ -24,7 +24,8 @@ def tiny_server(tiny_chat_dir):
 
 @pytest.fixture(scope="session")
 def smol_server(default_model_dir):
-    factory = engine_factory(default_model_dir, num_kv_blocks=256, max_model_len=2048, device="cpu")
+    factory = engine_factory(default_model_dir, num_kv_blocks=256, max_model_len=2048, device="cpu",
+                             dtype="float32")  # fp32: bf16 matmuls are slow on AVX2-only CPUs
     server = ServerThread(factory, "SmolLM2-135M-Instruct")
     yield server
     server.stop()
