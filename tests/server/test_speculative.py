@@ -9,7 +9,8 @@ from tests.server.conftest import TINY_ENGINE
 from tests.server.harness import ServerThread, engine_factory
 from tests.server.test_health_metrics import _metrics
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+# always draft (no adaptive k): this test is about the server's plumbing, not about when speculation pays
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
