@@ -71,7 +71,7 @@ def run_hf(model, reqs, concurrency: int, pad_id: int, device: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF model dir (default: the default model)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: fp32 on CPUs without native bf16, else bf16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests-per-level", type=int, nargs="+", default=None,
@@ -87,7 +87,8 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_batched_tokens=2048)
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_name, dtype=getattr(torch, args.dtype)).to(
+    dtype = llm.engine.loaded.dtype  # the peer runs in the dtype the engine resolved
+    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_name, dtype=dtype).to(
         args.device).eval()
     tok = llm.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -111,7 +112,7 @@ def main() -> None:
         print(f"concurrency {conc:3d}: specserve {row['specserve_tok_s']:8.1f} tok/s | "
               f"HF generate {row['hf_tok_s']:8.1f} tok/s | ratio {row['ratio']:.2f}x", flush=True)
 
-    result = {"bench": "throughput", "model": llm.engine.model_name, "dtype": args.dtype,
+    result = {"bench": "throughput", "model": llm.engine.model_name, "dtype": str(dtype),
               "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "cpu": platform.processor() or platform.machine(), "max_prompt": args.max_prompt,
               "max_output": args.max_output, "rows": rows, "command": " ".join(sys.argv)}

@@ -5,6 +5,7 @@ one) and the eos ids from generation_config.json / config.json / the tokenizer.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -37,10 +38,23 @@ class LoadedModel:
     quantization: str | None = None  # bitsandbytes method the weights are stored in
 
 
-def resolve_dtype(dtype: str, arch: ArchConfig) -> torch.dtype:
+def resolve_dtype(dtype: str, arch: ArchConfig, device: torch.device | None = None) -> torch.dtype:
+    """`auto`: the checkpoint's half type (bf16 unless it says fp16); fp32 on a CPU without native bf16
+    math (no AVX512-BF16 / AMX), where bf16 matmuls are several times slower than fp32."""
     if dtype != "auto":
         return DTYPE_NAMES[dtype]
+    if device is not None and device.type == "cpu" and not cpu_has_fast_bf16():
+        return torch.float32
     return torch.float16 if arch.torch_dtype == "float16" else torch.bfloat16
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def dummy_config_path(model: str) -> Path:
@@ -84,7 +98,7 @@ def load_model(model: str, *, dtype: str = "auto", device: torch.device, load_fo
         from specserve.quant.checkpoint import checkpoint_quantization
         quantization = quant["quantization"] = checkpoint_quantization(arch.raw, quantization, str(model))
         quant["double_quant"] = not prequantized  # fp32 block scales reproduce the stored nf4 exactly
-    torch_dtype = resolve_dtype(dtype, arch)
+    torch_dtype = resolve_dtype(dtype, arch, device)
     build_on = _build_device(device, torch_dtype, model, dummy=weights is None, **quant)
     net = _build(arch, torch_dtype, build_on, max_positions, seed)
     if weights is None:
@@ -218,7 +232,7 @@ def _load_gguf(file: Path, *, dtype: str, device: torch.device, max_positions: i
     quant = {"quantization": quantization, "quantize_embeddings": quantize_embeddings}
     hf_model, tokenizer = load_gguf_as_hf(file)
     arch = parse_arch_config(hf_model.config.to_dict(), str(file))
-    torch_dtype = resolve_dtype(dtype, arch)
+    torch_dtype = resolve_dtype(dtype, arch, device)
     build_on = _build_device(device, torch_dtype, str(file), **quant)
     net = _build(arch, torch_dtype, build_on, max_positions, 0)
     net.load_weights(hf_model.state_dict().items())

@@ -122,3 +122,14 @@ def test_async_engine_streams_and_cancel_frees_blocks(llm):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_auto_dtype_follows_the_cpu(tiny_llama_dir):
+    from specserve.models.loader import cpu_has_fast_bf16, resolve_dtype
+    from specserve.models.registry import load_arch_config
+    arch = load_arch_config(tiny_llama_dir / "config.json")
+    import torch
+    assert resolve_dtype("float16", arch, torch.device("cpu")) == torch.float16
+    assert resolve_dtype("auto", arch, torch.device("cuda")) == torch.bfloat16
+    expected = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    assert resolve_dtype("auto", arch, torch.device("cpu")) == expected
