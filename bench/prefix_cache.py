@@ -200,7 +200,8 @@ def markdown(result: dict, command: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    ap.add_argument("--dtype", default="auto", help="auto = the checkpoint's (bf16 for the default model)")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="bfloat16 (the default model's own dtype), or auto / float32 / float16")
     ap.add_argument("--groups", type=int, default=1)
     ap.add_argument("--per-group", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=56)
