@@ -21,6 +21,7 @@ generated tokens over the wall time of the level.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -36,7 +37,8 @@ from prompts import humaneval_prompts, sharegpt_conversations  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 
-HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the complete function, its docstring "
+                         "included, in one code block.\n\n")
 
 
 def requests_per_level(c: int, base: int) -> int:
@@ -121,6 +123,26 @@ def configs(args) -> list[tuple[str, dict | None]]:
     return out
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """Totals over repeated runs of one level (tokens/s = all tokens / all time)."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for key in ("output_tokens", "elapsed_s", "steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        out[key] = sum(r[key] for r in runs)
+    out["elapsed_s"] = round(out["elapsed_s"], 3)
+    out["tokens_per_s"] = round(out["output_tokens"] / out["elapsed_s"], 2)
+    out["tokens_per_step"] = round(out["output_tokens"] / out["steps"], 3)
+    tpots = [r["mean_tpot_ms"] for r in runs if r["mean_tpot_ms"] is not None]
+    out["mean_tpot_ms"] = round(sum(tpots) / len(tpots), 2) if tpots else None
+    drafts = out["num_drafts"]
+    out["mean_acceptance_length"] = round(1 + out["num_accepted_tokens"] / drafts, 3) if drafts else None
+    out["acceptance_rate"] = round(out["num_accepted_tokens"] / out["num_draft_tokens"], 3) if drafts else None
+    out["repeats"] = len(runs)
+    out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    return out
+
+
 class Setup:
     """A named configuration: an engine, and the proposer it runs with (None = no speculation).
     N-gram needs no KV, so on the CPU "none" and "ngram" share one engine (and its prefix cache)."""
@@ -161,12 +183,13 @@ def main() -> int:
     ap.add_argument("--min-requests", type=int, default=4, help="requests per level below c=16")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompt-len", type=int, default=128, help="dummy weights: random prompt length")
-    ap.add_argument("--max-prompt-len", type=int, default=384)
+    ap.add_argument("--max-prompt-len", type=int, default=320)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--no-adaptive", action="store_true")
     ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")
     ap.add_argument("--simulated-acceptance", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2, help="A/B repeats per level below c=16 (ABBA order)")
     ap.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     ap.add_argument("--out", default=None, help="path without suffix: writes .json and .md")
     args = ap.parse_args()
@@ -192,8 +215,15 @@ def main() -> int:
     groups = [configs(args)] if args.device == "cpu" else [[c] for c in configs(args)]
     rows: dict[tuple[str, int], dict] = {}
     prompts = None
+    setups = None
     for group in groups:
+        setups = None  # drop the previous group's engines (GPU memory) before building the next
+        gc.collect()
         setups = build_setups(args, group, engine_args)
+        for s in setups:
+            costs = getattr(getattr(s.proposer, "policy", None), "costs", None)
+            if costs is not None and costs.table:
+                results.setdefault("step_costs", {})[s.name] = costs.table
         prompts = prompts or load_prompts(args, setups[0].llm.tokenizer)
         for dataset, ids in prompts.items():
             offset = 0
@@ -204,12 +234,18 @@ def main() -> int:
                     llm.engine.runner.proposer = None
                     llm.generate([{"prompt_token_ids": p} for p in level_prompts], SamplingParams(max_tokens=1))
                 row = rows.setdefault((dataset, c), {"dataset": dataset, "concurrency": c})
+                repeats = args.repeats if c < 16 else 1
+                runs: dict[str, list[dict]] = {s.name: [] for s in setups}
+                for r in range(repeats):  # A B, then B A: drifting machine load hits both alike
+                    for s in (setups if r % 2 == 0 else setups[::-1]):
+                        runs[s.name].append(s.run(level_prompts, c, params))
                 for s in setups:
-                    row[s.name] = s.run(level_prompts, c, params)
+                    row[s.name] = merge_runs(runs[s.name])
                     print(f"{dataset:9s} c={c:3d} {s.name:14s} {row[s.name]['tokens_per_s']:8.2f} tok/s  "
                           f"TPOT {row[s.name]['mean_tpot_ms']} ms  mean acceptance length "
                           f"{row[s.name]['mean_acceptance_length']}", flush=True)
-        del setups
+        setups = s = llm = None  # loop variables hold engines too
+        gc.collect()
         if args.device != "cpu":
             torch.cuda.empty_cache()
     for row in rows.values():
@@ -232,9 +268,14 @@ def markdown(results: dict, names: list[str]) -> str:
              f"threads), greedy, max {results['max_tokens']} output tokens, k <= {results['k']}"
              f"{' (adaptive)' if results['adaptive'] else ''}. Load average at start/end: "
              f"{results['load_avg_start'][0]:.1f} / {results['load_avg_end'][0]:.1f}.", ""]
-    head = "| dataset | conc. | reqs | " + " | ".join(
-        f"{n} tok/s" + ("" if n == "none" else f" | {n} speedup | {n} mean acc. len") for n in names) + " |"
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, table in results.get("step_costs", {}).items():
+        lines += [f"Measured step costs ({name}; tokens: x a one-token forward): "
+                  + ", ".join(f"{n}: {c:.2f}" for n, c in table), ""]
+    head = ["dataset", "conc.", "reqs"]
+    for n in names:
+        head += [f"{n} tok/s"] + ([] if n == "none" else [f"{n} speedup", f"{n} mean acc. len"])
+    head += [f"{n} TPOT ms" for n in names]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["levels"]:
         cells = [row["dataset"], str(row["concurrency"]), str(row["none"]["requests"])]
         for n in names:
@@ -242,6 +283,7 @@ def markdown(results: dict, names: list[str]) -> str:
             cells.append(f"{r['tokens_per_s']:.1f}")
             if n != "none":
                 cells += [f"{r['speedup']:.2f}x", str(r["mean_acceptance_length"] or "-")]
+        cells += [str(row[n]["mean_tpot_ms"]) for n in names]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

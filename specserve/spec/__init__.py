@@ -53,6 +53,8 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
     our family (e.g. the target's weights quantized); otherwise `spec.model` is loaded."""
     ridge = spec.compute_bound_tokens or default_compute_bound_tokens(device, target.dtype)
     policy = AdaptiveK(spec.num_speculative_tokens, adaptive=spec.adaptive, compute_bound_tokens=ridge)
+    # CPUs: measure the step costs at start-up (spec/costs.py), unless a ridge point is given
+    policy.profile_on_bind = spec.adaptive and spec.compute_bound_tokens is None and device.type == "cpu"
     if spec.method == "ngram":
         from specserve.spec.ngram import NgramProposer
 
@@ -84,6 +86,8 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
     if module.cfg.vocab_size != target.arch.vocab_size:
         raise ValueError(f"the draft has {module.cfg.vocab_size} tokens, the target {target.arch.vocab_size}")
     # cost of one draft step relative to a target step: weight bytes read, when memory bound
+    # (measured instead with the step costs on the CPU)
+    policy.measure_draft_cost = spec.draft_cost is None
     policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else \
         module.cfg.num_params / target.arch.num_params
     logger.info("draft model %s: %.0fM params, draft step ~%.2f target steps", spec.model,

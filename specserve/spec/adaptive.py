@@ -4,9 +4,9 @@ Speculation pays when the extra verification tokens are cheap (the target forwar
 reading weights, not by compute) and drafts are likely accepted. The cost model is deterministic,
 so the same inputs always give the same k (greedy output never depends on k anyway):
 
-- a target forward over N tokens costs `1 + N / compute_bound_tokens` steps (reading the weights
-  once, plus compute per token; `compute_bound_tokens` is the ridge point where the two are equal).
-  The sum, not the max, of the two: conservative, and close to what CPUs measure;
+- a target forward over N tokens costs `costs(N)` steps (specserve/spec/costs.py): analytically
+  `1 + N / compute_bound_tokens` (reading the weights once, plus compute per token; the sum, not
+  the max: conservative), or interpolated from a start-up profile (the CPU default);
 - each autoregressive draft-model step costs `draft_cost` target steps (0 for n-gram lookup);
 - request r accepts a draft (given the previous one was accepted) with probability alpha_r,
   estimated from verifications (decayed counts plus a prior) under a key the proposer chooses:
@@ -15,15 +15,17 @@ so the same inputs always give the same k (greedy output never depends on k anyw
   expected tokens.
 
 `plan` adds (request, j) drafts in order of decreasing alpha_r ** j while the expected tokens per
-unit of time improve: a draft is worth it iff alpha_r ** j >= (tokens / cost) / compute_bound_tokens
-(+ the draft step's cost), so the bar rises with the batch. At high concurrency it exceeds 1 and
-every k is 0: speculation switches itself off instead of slowing the server down.
+unit of time improve: a draft is worth it iff alpha_r ** j >= (tokens / cost) x (the marginal
+cost of one more token, + a draft step's), so the bar rises with the batch. At high concurrency it
+nears 1 and k drops to 0: speculation switches itself off instead of slowing the server down.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from specserve.spec.costs import StepCosts, measured_costs, profile_forward
 
 if TYPE_CHECKING:
     from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -45,6 +47,9 @@ class AdaptiveK:
         self.max_k = max_k
         self.adaptive = adaptive
         self.compute_bound_tokens = compute_bound_tokens
+        self.costs = StepCosts(compute_bound_tokens)  # replaced by a measured table on the CPU
+        self.profile_on_bind = False  # measure `costs` when the proposer binds (CPU default)
+        self.measure_draft_cost = False  # ... and the draft model's step cost
         self.draft_cost = draft_cost
         self.prior, self.prior_weight = prior, prior_weight
         self.decay = decay
@@ -69,16 +74,29 @@ class AdaptiveK:
     def remove(self, key: Hashable) -> None:
         self._est.pop(key, None)
 
+    def calibrate(self, runner, draft_model=None, draft_kv_caches=None) -> None:
+        """Measure this machine's step costs with the target (and the draft model) before serving."""
+        times = profile_forward(runner.model, runner.kv_caches, runner.block_size, runner.device)
+        self.costs = measured_costs(times, self.compute_bound_tokens)
+        if draft_model is not None and self.measure_draft_cost:
+            draft = profile_forward(draft_model, draft_kv_caches, runner.block_size, runner.device, sizes=(1,))
+            self.draft_cost = draft[1] / times[1]
+
     def worth_trying(self, num_sampled: int, num_base_tokens: int) -> bool:
         """Could any draft pay off in this batch? (A cheap test before looking for drafts.)"""
         if not self.adaptive:
             return True
-        bar = num_sampled / self._step_cost(num_base_tokens, 0) / self.compute_bound_tokens
         best = max([self.acceptance(key) for key in self._est] + [self.prior])
-        return best >= max(bar, self.min_gain)
+        base = self._step_cost(num_base_tokens, 0)
+        gain = 0.0
+        for k in range(1, self.max_k + 1):
+            gain += best ** k
+            if (num_sampled + gain) * base > num_sampled * self._step_cost(num_base_tokens + k, k):
+                return True
+        return False
 
     def _step_cost(self, num_tokens: int, num_draft_steps: int) -> float:
-        return 1.0 + num_tokens / self.compute_bound_tokens + num_draft_steps * self.draft_cost
+        return self.costs(num_tokens) + num_draft_steps * self.draft_cost
 
     def plan(self, rooms: dict[str, int], num_base_tokens: int, max_spec_tokens: int,
              keys: dict[str, Hashable] | None = None) -> dict[str, int]:
@@ -92,31 +110,28 @@ class AdaptiveK:
         if max_spec_tokens <= 0:
             self._rest({keys[r] for r in rooms})
             return ks
-        candidates = []  # (gain, order, req_id, j)
-        for order, (req_id, room) in enumerate(rooms.items()):
-            alpha = self.acceptance(keys[req_id])
-            gain = 1.0
-            for j in range(1, min(self.max_k, room) + 1):
-                gain *= alpha
-                if gain < self.min_gain:
-                    break
-                candidates.append((-gain, order, req_id, j))
-        candidates.sort()
+        # Requests in order of decreasing alpha; each takes the k that most improves expected tokens
+        # per unit of cost, if any does (costs are not convex: on a CPU the first extra token can
+        # cost more than the next four, so whole k's are compared, not single drafts).
+        order = sorted(rooms, key=lambda r: -self.acceptance(keys[r]))
         tokens, num_spec, num_steps = float(len(rooms)), 0, 0
         cost = self._step_cost(num_base_tokens, 0)
-        for neg_gain, _, req_id, j in candidates:
-            if num_spec >= max_spec_tokens:
-                break
-            if ks[req_id] != j - 1:
-                continue  # an earlier draft of this request was not worth it: neither is this one
-            new_cost = self._step_cost(num_base_tokens + num_spec + 1, max(num_steps, j))
-            if (tokens - neg_gain) * cost < tokens * new_cost:
-                continue
-            tokens -= neg_gain
-            cost = new_cost
-            num_spec += 1
-            num_steps = max(num_steps, j)
-            ks[req_id] = j
+        for req_id in order:
+            alpha = self.acceptance(keys[req_id])
+            best_k, best_tokens, best_cost = 0, tokens, cost
+            gain = 0.0
+            for k in range(1, min(self.max_k, rooms[req_id], max_spec_tokens - num_spec) + 1):
+                if alpha ** k < self.min_gain:
+                    break
+                gain += alpha ** k
+                new_cost = self._step_cost(num_base_tokens + num_spec + k, max(num_steps, k))
+                if (tokens + gain) * best_cost > best_tokens * new_cost:
+                    best_k, best_tokens, best_cost = k, tokens + gain, new_cost
+            if best_k:
+                ks[req_id] = best_k
+                tokens, cost = best_tokens, best_cost
+                num_spec += best_k
+                num_steps = max(num_steps, best_k)
         self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
         return ks
 

@@ -57,6 +57,7 @@ class DraftModelProposer:
         self._probs: dict[str, torch.Tensor | None] = {}  # q of the current drafts; None = greedy
         self._stale = np.zeros(0, dtype=bool)
         self.block_size = 0
+        self.graphs = None  # the draft's decode-step CUDA graphs (ModelRunner.enable_cuda_graphs)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -72,6 +73,8 @@ class DraftModelProposer:
         self.block_size = runner.block_size
         self.max_model_len = max_model_len
         self._stale = np.zeros(runner.num_blocks, dtype=bool)
+        if self.policy.profile_on_bind:
+            self.policy.calibrate(runner, self.model, self.kv_caches)
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
@@ -181,9 +184,8 @@ class DraftModelProposer:
         """input_ids: list or [T] tensor -> draft hidden states [T, hidden]."""
         positions, meta = batch_metadata(query_lens, seq_lens, tables, block_size, device)
         ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, device=device)
-        graphs = getattr(self, "graphs", None)  # set by ModelRunner.enable_cuda_graphs on a GPU
-        if graphs is not None and graphs.can_run(meta):
-            return graphs.run(ids, positions, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(ids, positions, meta)
         self.model.backend.prepare(meta)
         return self.model(ids, positions, self.kv_caches, meta)
 

@@ -91,6 +91,8 @@ class NgramProposer:
 
     def bind(self, runner, max_model_len: int) -> None:
         self.max_model_len = max_model_len
+        if self.policy.profile_on_bind:
+            self.policy.calibrate(runner)
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
