@@ -201,6 +201,8 @@ def main() -> int:
     engine_args = dict(dtype=args.dtype, device=args.device, load_format=args.load_format,
                        max_num_seqs=max(args.concurrency), max_model_len=max_len,
                        kv_cache_memory=args.kv_cache_memory)
+    if args.device != "cpu":  # room for every level's requests (x2), not 90% of the GPU per engine
+        engine_args["num_kv_blocks"] = 2 * max(args.concurrency) * -(-max_len // 16)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=dummy)
     results = {"command": " ".join([Path(sys.executable).name] + sys.argv), "device": args.device,
                "platform": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
@@ -231,7 +233,8 @@ def main() -> int:
                 n = requests_per_level(c, args.min_requests)
                 level_prompts, offset = ids[offset:offset + n], offset + n
                 for llm in {id(s.llm): s.llm for s in setups}.values():
-                    llm.engine.runner.proposer = None
+                    # with the engine's own proposer: a draft model must see (write KV for) the prompts
+                    llm.engine.runner.proposer = llm.engine.proposer
                     llm.generate([{"prompt_token_ids": p} for p in level_prompts], SamplingParams(max_tokens=1))
                 row = rows.setdefault((dataset, c), {"dataset": dataset, "concurrency": c})
                 repeats = args.repeats if c < 16 else 1
