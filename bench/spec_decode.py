@@ -111,7 +111,7 @@ def configs(args) -> list[tuple[str, dict | None]]:
     if args.compute_bound_tokens:
         base["compute_bound_tokens"] = args.compute_bound_tokens
     if args.device == "cpu" or not args.draft_model:
-        out = [("none", None), ("ngram", dict(base, method="ngram"))]
+        out = [("none", None), ("ngram", dict(base, method="ngram", prompt_lookup_max=args.prompt_lookup_max))]
         if args.draft_model:
             out.append(("draft", dict(base, method="draft_model", model=args.draft_model,
                                       load_format=args.load_format)))
@@ -181,15 +181,16 @@ def main() -> int:
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "sharegpt"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--min-requests", type=int, default=4, help="requests per level below c=16")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128, help="dummy weights: random prompt length")
-    ap.add_argument("--max-prompt-len", type=int, default=320)
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--max-prompt-len", type=int, default=256)
+    ap.add_argument("--num-speculative-tokens", type=int, default=8)
+    ap.add_argument("--prompt-lookup-max", type=int, default=8)
     ap.add_argument("--no-adaptive", action="store_true")
     ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")
     ap.add_argument("--simulated-acceptance", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=2, help="A/B repeats per level below c=16 (ABBA order)")
+    ap.add_argument("--repeats", type=int, default=2, help="A/B repeats per level (ABBA order)")
     ap.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     ap.add_argument("--out", default=None, help="path without suffix: writes .json and .md")
     args = ap.parse_args()
@@ -237,7 +238,7 @@ def main() -> int:
                     llm.engine.runner.proposer = llm.engine.proposer
                     llm.generate([{"prompt_token_ids": p} for p in level_prompts], SamplingParams(max_tokens=1))
                 row = rows.setdefault((dataset, c), {"dataset": dataset, "concurrency": c})
-                repeats = args.repeats if c < 16 else 1
+                repeats = args.repeats
                 runs: dict[str, list[dict]] = {s.name: [] for s in setups}
                 for r in range(repeats):  # A B, then B A: drifting machine load hits both alike
                     for s in (setups if r % 2 == 0 else setups[::-1]):
