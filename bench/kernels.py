@@ -7,7 +7,8 @@ copy bandwidth (torch clone; bytes read + written) as the ceiling; paged decode 
 1 x 32k, k=4 verification at 64 x 4k (achieved bandwidth = K/V bytes read / time); prefill (4 fresh
 2k prompts, and a 2k chunk behind a 6k cached prefix) in TFLOP/s next to torch SDPA on contiguous
 tensors; and the torch reference backend on the same paged inputs. Also: the model's eager RMSNorm
-(+residual) and RoPE against the fused Triton kernels, and a host-side profile of the launcher. `--sweep` also times alternative
+(+residual) and RoPE against the fused Triton kernels, and a host-side profile of the launcher.
+`--sweep` also times alternative
 kernel configs (tile, warps, stages, split-K) and records them, to re-tune attention_config.py.
 """
 from __future__ import annotations

@@ -175,7 +175,8 @@ def markdown(result: dict) -> str:
              f"`{result['command']}`", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ratio = r["weight_bytes"] / bf16["weight_bytes"]
-        cells = [r["variant"], format_bytes(r["weight_bytes"]), f"{ratio:.3f}", str(r["kv_blocks"]), *[f"{r['decode_tok_s'][b]:.1f}" for b in batches]]
+        cells = [r["variant"], format_bytes(r["weight_bytes"]), f"{ratio:.3f}", str(r["kv_blocks"]),
+                 *[f"{r['decode_tok_s'][b]:.1f}" for b in batches]]
         if has_hf:
             hf = r.get("hf_tok_s_batch1")
             cells.append("-" if hf is None else f"{hf:.1f}")

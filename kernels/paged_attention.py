@@ -188,9 +188,9 @@ def _paged_attention_reduce_kernel(
         token = (q_start + i).to(tl.int64)
         part = (token * num_heads + head) * NUM_SPLITS + offs_s  # [NUM_SPLITS]
         m = tl.load(part_m_ptr + part)
-        l = tl.load(part_l_ptr + part)
+        l_part = tl.load(part_l_ptr + part)
         weight = tl.exp2(m - tl.max(m, 0))
-        denom = tl.sum(l * weight, 0)
+        denom = tl.sum(l_part * weight, 0)
         acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=d_valid[None, :],
                       other=0.0)
         out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)

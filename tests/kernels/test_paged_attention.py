@@ -157,7 +157,8 @@ def test_gpu_config_overrides_stay_exact(paged_batch, close, short, long, splits
 def test_gpu_cuda_graph_replays_new_contents(paged_batch, close, q_len):
     num_reqs, num_blocks_per_req = 8, 64
     shape = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
-    first = paged_batch([q_len] * num_reqs, [500] * num_reqs, seed=10, spare_blocks=num_blocks_per_req * num_reqs, **shape)
+    first = paged_batch([q_len] * num_reqs, [500] * num_reqs, seed=10,
+                        spare_blocks=num_blocks_per_req * num_reqs, **shape)
     static = {k: v.clone() if torch.is_tensor(v) else v for k, v in first.items()}
     max_seq_len = num_blocks_per_req * 16
     width = static["block_tables"].shape[1]
