@@ -5,8 +5,8 @@ Two sources:
 - analytic: `1 + N / compute_bound_tokens` (read the weights once, plus compute per token; the
   ridge point `compute_bound_tokens` is where both take equally long). The default on CUDA, and
   whenever `compute_bound_tokens` is given (then k is a pure function of the inputs).
-- measured: on the CPU, by default, a short profile at start-up times forwards of 1, 2, 3, 5, 9
-  and 17 tokens and interpolates. CPUs are full of cliffs no ridge point describes: on the 2-core
+- measured: on the CPU, by default, a short profile at start-up times forwards of 1 to 65 tokens
+  and interpolates. CPUs are full of cliffs no ridge point describes: on the 2-core
   AVX2 machine here a 2-token fp32 forward costs 1.5 one-token forwards (BLAS GEMV -> GEMM) while
   5 tokens cost 1.8, and bf16 (no native bf16 math) adds half a step per token.
 """
@@ -19,7 +19,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PROFILE_SIZES = (1, 2, 3, 5, 9, 17)
+PROFILE_SIZES = (1, 2, 3, 5, 9, 17, 33, 65)  # past 65: the last slope (compute bound by then)
+QUICK = 17  # sizes up to this are timed best-of-`reps`; larger ones once (they take long)
 
 
 class StepCosts:
@@ -62,7 +63,7 @@ def profile_forward(model, kv_caches: list[torch.Tensor], block_size: int, devic
         return time.perf_counter() - t0
 
     once(sizes[0])  # warm-up
-    return {n: min(once(n) for _ in range(reps)) for n in sizes}
+    return {n: min(once(n) for _ in range(reps if n <= QUICK else 1)) for n in sizes}
 
 
 def measured_costs(times: dict[int, float], compute_bound_tokens: int) -> StepCosts:

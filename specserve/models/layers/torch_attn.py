@@ -1,8 +1,9 @@
 """Plain-PyTorch paged attention: the reference backend, used on the CPU and as the oracle.
 
-Requests are attended in padded groups with `scaled_dot_product_attention`: all requests with short
-queries (decodes, speculative verifications) in one batch, each long prefill chunk on its own, so
-padding never multiplies a prefill chunk by the batch size.
+Requests are attended in padded groups with `scaled_dot_product_attention`: all decodes (one query
+token) in one batch, the other short queries (speculative verifications, 1 + k tokens) in another,
+each long prefill chunk on its own, so padding never multiplies a prefill chunk by the batch size,
+nor a verification's 1 + k rows by the number of decodes.
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ class TorchAttentionBackend:
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        short = [i for i, q in enumerate(meta.query_lens_cpu) if q <= SHORT_QUERY_MAX]
-        groups = [short] if short else []
+        decodes = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+        short = [i for i, q in enumerate(meta.query_lens_cpu) if 1 < q <= SHORT_QUERY_MAX]
+        groups = [g for g in (decodes, short) if g]
         groups += [[i] for i, q in enumerate(meta.query_lens_cpu) if q > SHORT_QUERY_MAX]
         meta.extra["torch_groups"] = [self._build_group(meta, g) for g in groups]
 
