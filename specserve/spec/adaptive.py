@@ -52,6 +52,9 @@ class AdaptiveK:
         self.measure_draft_cost = False  # ... and the draft model's step cost
         self.draft_cost = draft_cost
         self.prior, self.prior_weight = prior, prior_weight
+        # a prior per key (n-gram: by match length), and the best prior any key can have
+        self.prior_of: Callable[[Hashable], float] = lambda key: prior
+        self.best_prior = prior
         self.decay = decay
         self.min_gain = min_gain
         self._est: dict[str, _Estimate] = {}
@@ -59,9 +62,10 @@ class AdaptiveK:
     def acceptance(self, key: Hashable) -> float:
         """Estimated probability that a draft token under `key` is accepted (the previous one was)."""
         e = self._est.get(key)
+        prior = self.prior_of(key)
         if e is None:
-            return self.prior
-        return (e.accepted + self.prior * self.prior_weight) / (e.tried + self.prior_weight)
+            return prior
+        return (e.accepted + prior * self.prior_weight) / (e.tried + self.prior_weight)
 
     def observe(self, key: Hashable, num_drafts: int, num_accepted: int) -> None:
         """A verification: `num_accepted` of `num_drafts` drafts accepted (a prefix)."""
@@ -86,7 +90,7 @@ class AdaptiveK:
         """Could any draft pay off in this batch? (A cheap test before looking for drafts.)"""
         if not self.adaptive:
             return True
-        best = max([self.acceptance(key) for key in self._est] + [self.prior])
+        best = max([self.acceptance(key) for key in self._est] + [self.best_prior])
         base = self._step_cost(num_base_tokens, 0)
         gain = 0.0
         for k in range(1, self.max_k + 1):

@@ -78,8 +78,11 @@ class NgramProposer:
 
     def __init__(self, policy: AdaptiveK, *, prompt_lookup_min: int, prompt_lookup_max: int,
                  max_num_batched_tokens: int) -> None:
-        """`policy` estimates acceptance per match length (the key), not per request."""
+        """`policy` estimates acceptance per match length (the key), not per request; before any
+        verification a match of n tokens is assumed accepted with probability n / (n + 1)."""
         self.policy = policy
+        policy.prior_of = lambda n: n / (n + 1)
+        policy.best_prior = prompt_lookup_max / (prompt_lookup_max + 1)
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.max_model_len = 0  # set by bind()
         self.max_num_batched_tokens = max_num_batched_tokens
