@@ -1,4 +1,4 @@
-"""`specserve serve | generate | chat | bench | pull`.
+"""`specserve serve | generate | chat | pull`.
 
 Engine flags follow `vllm serve`; every engine flag is also an engine argument of `LLM(...)`
 (dashes become underscores).
