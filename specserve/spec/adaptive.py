@@ -57,6 +57,9 @@ class AdaptiveK:
         self.best_prior = prior
         self.decay = decay
         self.min_gain = min_gain
+        # safety factor for cost-model error (a draft's tokens per unit of its cost must beat the
+        # batch's by 15%): the model prices a step's tokens, a real batch also waits for its slowest
+        self.margin = 0.15
         self._est: dict[str, _Estimate] = {}
 
     def acceptance(self, key: Hashable) -> float:
@@ -95,7 +98,8 @@ class AdaptiveK:
         gain = 0.0
         for k in range(1, self.max_k + 1):
             gain += best ** k
-            if (num_sampled + gain) * base > num_sampled * self._step_cost(num_base_tokens + k, k):
+            extra = self._step_cost(num_base_tokens + k, k) - base
+            if gain * base > (1 + self.margin) * num_sampled * extra:
                 return True
         return False
 
@@ -129,7 +133,9 @@ class AdaptiveK:
                     break
                 gain += alpha ** k
                 new_cost = self._step_cost(num_base_tokens + num_spec + k, max(num_steps, k))
-                if (tokens + gain) * best_cost > best_tokens * new_cost:
+                # the drafts' tokens per unit of their own cost must beat the batch's by the margin
+                worth = gain * cost > (1 + self.margin) * tokens * (new_cost - cost)
+                if worth and (tokens + gain) * best_cost > best_tokens * new_cost:
                     best_k, best_tokens, best_cost = k, tokens + gain, new_cost
             if best_k:
                 ks[req_id] = best_k
