@@ -268,7 +268,8 @@ def main() -> int:
 
 def markdown(results: dict, names: list[str]) -> str:
     lines = [f"Command: `{results['command']}`", "",
-             f"Model {results['model']} ({results['dtype']}, {results['device']}, {results['torch_threads']} torch "
+             f"Model {results['model']} ({results['dtype']}, {results['device']}, "
+             f"{results['torch_threads']} torch "
              f"threads), greedy, max {results['max_tokens']} output tokens, k <= {results['k']}"
              f"{' (adaptive)' if results['adaptive'] else ''}. Load average at start/end: "
              f"{results['load_avg_start'][0]:.1f} / {results['load_avg_end'][0]:.1f}.", ""]

@@ -62,7 +62,8 @@ class AdversarialProposer:
 
 @pytest.fixture(scope="module")
 def workload(tiny_llama_dir):
-    prompts = [p for seed in range(1, 6) for p in spec_prompts(10, seed)] + spec_prompts(10, seed=1)  # repeats: hits
+    # 60 requests; the last 10 repeat earlier prompts (prefix-cache hits)
+    prompts = [p for seed in range(1, 6) for p in spec_prompts(10, seed)] + spec_prompts(10, seed=1)
     llm = LLM(str(tiny_llama_dir), **ENGINE_ARGS)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -72,7 +73,8 @@ def workload(tiny_llama_dir):
 @pytest.mark.parametrize("mode,lookahead", [("right", 0), ("wrong", K), ("random", 0), ("random", K)])
 def test_adversarial_drafts_leak_nothing(tiny_llama_dir, workload, mode, lookahead):
     prompts, reference = workload
-    llm = LLM(str(tiny_llama_dir), **ENGINE_ARGS, speculative_config=dict(method="ngram", num_speculative_tokens=K))
+    llm = LLM(str(tiny_llama_dir), **ENGINE_ARGS,
+              speculative_config=dict(method="ngram", num_speculative_tokens=K))
     engine = llm.engine
     engine.runner.proposer = AdversarialProposer(mode, reference, lookahead)
     engine.scheduler.num_lookahead_tokens = lookahead

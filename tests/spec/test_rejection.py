@@ -96,7 +96,8 @@ def test_min_tokens_bans_eos_per_position():
 
 def test_simulated_acceptance_forces_the_rate():
     logits = peaked([5, 7, 2, 9])
-    assert RejectionSampler(simulated_acceptance=1.0).sample(logits, [req(0, [1, 1, 1])]).token_ids == [[1, 1, 1, 9]]
+    always = RejectionSampler(simulated_acceptance=1.0)
+    assert always.sample(logits, [req(0, [1, 1, 1])]).token_ids == [[1, 1, 1, 9]]
     assert RejectionSampler(simulated_acceptance=0.0).sample(logits, [req(0, [5, 7, 2])]).token_ids == [[5]]
 
 
