@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -104,8 +105,11 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
     }
 
 
+CONTROL = "none A/A"  # the baseline again, same engine: its ratio to "none" shows the noise floor
+
+
 def configs(args) -> list[tuple[str, dict | None]]:
-    """(name, speculative_config): the baseline first."""
+    """(name, speculative_config): the baseline first; on the CPU the A/A control last."""
     k = args.num_speculative_tokens
     base = dict(num_speculative_tokens=k, adaptive=not args.no_adaptive)
     if args.compute_bound_tokens:
@@ -115,6 +119,8 @@ def configs(args) -> list[tuple[str, dict | None]]:
         if args.draft_model:
             out.append(("draft", dict(base, method="draft_model", model=args.draft_model,
                                       load_format=args.load_format)))
+        if args.device == "cpu" and not args.no_control:
+            out.append((CONTROL, None))
         return out
     draft = dict(base, method="draft_model", load_format="dummy")
     out = [("none", None), ("draft=target", dict(draft, model=args.model))]
@@ -141,6 +147,10 @@ def merge_runs(runs: list[dict]) -> dict:
     out["repeats"] = len(runs)
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
     return out
+
+
+def repeats_for(args, concurrency: int) -> int:
+    return args.repeats if concurrency < 32 else args.repeats_large
 
 
 class Setup:
@@ -180,7 +190,7 @@ def main() -> int:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "sharegpt"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--min-requests", type=int, default=4, help="requests per level below c=16")
+    ap.add_argument("--min-requests", type=int, default=8, help="requests per level below c=16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128, help="dummy weights: random prompt length")
     ap.add_argument("--max-prompt-len", type=int, default=256)
@@ -190,7 +200,9 @@ def main() -> int:
     ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")
     ap.add_argument("--simulated-acceptance", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=2, help="A/B repeats per level (ABBA order)")
+    ap.add_argument("--repeats", type=int, default=3, help="A/B repeats per level below c=32 (ABBA order)")
+    ap.add_argument("--repeats-large", type=int, default=2, help="A/B repeats per level from c=32 (longer runs)")
+    ap.add_argument("--no-control", action="store_true", help="CPU: skip the A/A control (none vs none)")
     ap.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     ap.add_argument("--out", default=None, help="path without suffix: writes .json and .md")
     args = ap.parse_args()
@@ -238,7 +250,7 @@ def main() -> int:
                     llm.engine.runner.proposer = llm.engine.proposer
                     llm.generate([{"prompt_token_ids": p} for p in level_prompts], SamplingParams(max_tokens=1))
                 row = rows.setdefault((dataset, c), {"dataset": dataset, "concurrency": c})
-                repeats = args.repeats
+                repeats = repeats_for(args, c)
                 runs: dict[str, list[dict]] = {s.name: [] for s in setups}
                 for r in range(repeats):  # A B, then B A: drifting machine load hits both alike
                     for s in (setups if r % 2 == 0 else setups[::-1]):
@@ -253,8 +265,13 @@ def main() -> int:
         if args.device != "cpu":
             torch.cuda.empty_cache()
     for row in rows.values():
+        base_runs = row["none"].get("tokens_per_s_runs", [row["none"]["tokens_per_s"]])
         for name in names[1:]:
-            row[name]["speedup"] = round(row[name]["tokens_per_s"] / row["none"]["tokens_per_s"], 3)
+            # the median of per-repeat ratios (each repeat's runs are back to back): robust to a
+            # repeat hit by a burst of other work, unlike the ratio of totals
+            runs = row[name].get("tokens_per_s_runs", [row[name]["tokens_per_s"]])
+            row[name]["speedup_runs"] = [round(a / b, 3) for a, b in zip(runs, base_runs)]
+            row[name]["speedup"] = round(statistics.median(row[name]["speedup_runs"]), 3)
         results["levels"].append(row)
     results["load_avg_end"] = os.getloadavg()
     table = markdown(results, names)
@@ -276,19 +293,26 @@ def markdown(results: dict, names: list[str]) -> str:
     for name, table in results.get("step_costs", {}).items():
         lines += [f"Measured step costs ({name}; tokens: x a one-token forward): "
                   + ", ".join(f"{n}: {c:.2f}" for n, c in table), ""]
-    head = ["dataset", "conc.", "reqs"]
+    head = ["dataset", "conc.", "reqs", "reps"]
     for n in names:
-        head += [f"{n} tok/s"] + ([] if n == "none" else [f"{n} speedup", f"{n} mean acc. len"])
-    head += [f"{n} TPOT ms" for n in names]
+        head += [f"{n} tok/s"]
+        if n != "none":
+            head += [f"{n} speedup (median)", "per repeat"] + ([] if n == CONTROL else [f"{n} mean acc. len"])
+    head += [f"{n} TPOT ms" for n in names if n != CONTROL]
+    lines += ["Speedup = median over repeats of (tokens/s) / (none tokens/s of the same repeat); "
+              f"\"{CONTROL}\" is the baseline run again on the same engine: its ratio is the noise floor.", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["levels"]:
-        cells = [row["dataset"], str(row["concurrency"]), str(row["none"]["requests"])]
+        cells = [row["dataset"], str(row["concurrency"]), str(row["none"]["requests"]),
+                 str(row["none"].get("repeats", 1))]
         for n in names:
             r = row[n]
             cells.append(f"{r['tokens_per_s']:.1f}")
             if n != "none":
-                cells += [f"{r['speedup']:.2f}x", str(r["mean_acceptance_length"] or "-")]
-        cells += [str(row[n]["mean_tpot_ms"]) for n in names]
+                cells += [f"{r['speedup']:.2f}x", " ".join(f"{x:.2f}" for x in r["speedup_runs"])]
+                if n != CONTROL:
+                    cells.append(str(r["mean_acceptance_length"] or "-"))
+        cells += [str(row[n]["mean_tpot_ms"]) for n in names if n != CONTROL]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -21,11 +21,13 @@ nears 1 and k drops to 0: speculation switches itself off instead of slowing the
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specserve.spec.costs import StepCosts, measured_costs, profile_forward
+from specserve.spec.guard import RealizedGain
 
 if TYPE_CHECKING:
     from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -60,6 +62,11 @@ class AdaptiveK:
         # safety factor for cost-model error (a draft's tokens per unit of its cost must beat the
         # batch's by 15%): the model prices a step's tokens, a real batch also waits for its slowest
         self.margin = 0.15
+        # closed loop: measured step times vs the gains the plan predicted (fed by a proposer that
+        # reports its steps: `step_started` / `step_finished`; specserve/spec/guard.py)
+        self.guard = RealizedGain()
+        self._step_t0: float | None = None
+        self._predicted_gain = 0.0  # relative speedup the last plan expected of its drafts (untrusted model)
         self._est: dict[str, _Estimate] = {}
 
     def acceptance(self, key: Hashable) -> float:
@@ -89,22 +96,42 @@ class AdaptiveK:
             draft = profile_forward(draft_model, draft_kv_caches, runner.block_size, runner.device, sizes=(1,))
             self.draft_cost = draft[1] / times[1]
 
+    def step_started(self) -> None:
+        """The target step begins (the runner's begin_step): start its clock."""
+        self._step_t0 = time.perf_counter()
+
+    def step_finished(self, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
+                      num_accepted: int) -> None:
+        """The target step over `num_base_tokens` tokens plus `num_draft_tokens` drafts has been
+        computed and verified (`num_sampled` requests sampled, `num_accepted` drafts accepted):
+        feed its wall time to the guard."""
+        if self._step_t0 is None or num_base_tokens <= 0:
+            return
+        seconds, self._step_t0 = time.perf_counter() - self._step_t0, None
+        predicted = self._predicted_gain if num_draft_tokens else 0.0
+        self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled, num_accepted,
+                           num_draft_tokens, predicted)
+
     def worth_trying(self, num_sampled: int, num_base_tokens: int) -> bool:
         """Could any draft pay off in this batch? (A cheap test before looking for drafts.)"""
         if not self.adaptive:
             return True
         best = max([self.acceptance(key) for key in self._est] + [self.best_prior])
-        base = self._step_cost(num_base_tokens, 0)
+        base = self.costs(num_base_tokens)
+        trust = self.guard.trust(num_base_tokens)
         gain = 0.0
         for k in range(1, self.max_k + 1):
-            gain += best ** k
-            extra = self._step_cost(num_base_tokens + k, k) - base
+            gain += trust * best ** k
+            extra = self._extra_cost(num_base_tokens, k, k)
             if gain * base > (1 + self.margin) * num_sampled * extra:
                 return True
         return False
 
-    def _step_cost(self, num_tokens: int, num_draft_steps: int) -> float:
-        return self.costs(num_tokens) + num_draft_steps * self.draft_cost
+    def _extra_cost(self, num_base_tokens: int, num_spec: int, num_draft_steps: int) -> float:
+        """What `num_spec` drafts (and `num_draft_steps` draft-model steps) add to a step over
+        `num_base_tokens` tokens."""
+        target = self.costs(num_base_tokens + num_spec) - self.costs(num_base_tokens)
+        return target + num_draft_steps * self.draft_cost
 
     def plan(self, rooms: dict[str, int], num_base_tokens: int, max_spec_tokens: int,
              keys: dict[str, Hashable] | None = None) -> dict[str, int]:
@@ -115,7 +142,8 @@ class AdaptiveK:
         if not self.adaptive:
             return {r: max(0, min(self.max_k, room)) for r, room in rooms.items()}
         ks = dict.fromkeys(rooms, 0)
-        if max_spec_tokens <= 0:
+        self._predicted_gain = 0.0
+        if max_spec_tokens <= 0 or self.guard.wants_probe(num_base_tokens):
             self._rest({keys[r] for r in rooms})
             return ks
         # Requests in order of decreasing alpha; each takes the k that most improves expected tokens
@@ -123,25 +151,31 @@ class AdaptiveK:
         # cost more than the next four, so whole k's are compared, not single drafts).
         order = sorted(rooms, key=lambda r: -self.acceptance(keys[r]))
         tokens, num_spec, num_steps = float(len(rooms)), 0, 0
-        cost = self._step_cost(num_base_tokens, 0)
+        base_cost = cost = self.costs(num_base_tokens)
+        # expected accepted tokens count at the share the guard has seen drafting steps realize
+        trust = self.guard.trust(num_base_tokens)
+        model_gain = 0.0  # the same without the guard's scaling: what the guard checks the step against
         for req_id in order:
             alpha = self.acceptance(keys[req_id])
-            best_k, best_tokens, best_cost = 0, tokens, cost
-            gain = 0.0
+            best_k, best_tokens, best_cost, best_raw = 0, tokens, cost, 0.0
+            raw = 0.0
             for k in range(1, min(self.max_k, rooms[req_id], max_spec_tokens - num_spec) + 1):
                 if alpha ** k < self.min_gain:
                     break
-                gain += alpha ** k
-                new_cost = self._step_cost(num_base_tokens + num_spec + k, max(num_steps, k))
+                raw += alpha ** k
+                gain = trust * raw
+                new_cost = base_cost + self._extra_cost(num_base_tokens, num_spec + k, max(num_steps, k))
                 # the drafts' tokens per unit of their own cost must beat the batch's by the margin
                 worth = gain * cost > (1 + self.margin) * tokens * (new_cost - cost)
                 if worth and (tokens + gain) * best_cost > best_tokens * new_cost:
-                    best_k, best_tokens, best_cost = k, tokens + gain, new_cost
+                    best_k, best_tokens, best_cost, best_raw = k, tokens + gain, new_cost, raw
             if best_k:
                 ks[req_id] = best_k
                 tokens, cost = best_tokens, best_cost
+                model_gain += best_raw
                 num_spec += best_k
                 num_steps = max(num_steps, best_k)
+        self._predicted_gain = (len(rooms) + model_gain) / len(rooms) * base_cost / cost - 1.0
         self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
         return ks
 

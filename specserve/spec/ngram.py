@@ -101,10 +101,15 @@ class NgramProposer:
         for req_id in sched.finished_req_ids:
             self._contexts.pop(req_id, None)
             self._match_len.pop(req_id, None)
-
+        self.policy.step_started()
 
     def propose(self, runner, sched: SchedulerOutput, inputs, hidden: torch.Tensor,
                 out: ModelRunnerOutput) -> dict[str, list[int]]:
+        # the step's forward and verification are done: its time corrects the policy's cost model
+        num_tokens = sum(s.num_tokens for s in sched.scheduled)
+        num_drafts = sum(len(s.spec_token_ids) for s in sched.scheduled)
+        self.policy.step_finished(num_tokens - num_drafts, num_drafts, len(out.sampled_token_ids),
+                                  sum(out.num_accepted.values()))
         slots, num_base = sampled_slots(self.policy, sched, out, self.max_model_len,
                                         key_of=lambda req_id: self._match_len.get(req_id, 0))
         budget = self.max_num_batched_tokens - num_base

@@ -1,0 +1,96 @@
+"""Closed-loop guard for adaptive k: do drafting steps deliver the speedup the policy predicted?
+
+The policy (specserve/spec/adaptive.py) predicts each step's gain from a cost table and acceptance
+estimates. Both can be wrong in ways the policy cannot see: a start-up profile times one request on
+a quiet machine (a served batch has batched attention, the rejection sampler, other processes), and
+a batch that waits for its slowest request gains less from a few fast requests than the token count
+says. So every step reports its wall time, and the guard compares:
+
+- plain steps (no drafts): the recent seconds per unit of modelled cost, per token-count bucket
+  (`seconds / costs(num_tokens)`, exact up to 16 tokens, 3 significant bits above);
+- drafting steps: the realized gain, (sampled + accepted) / sampled x plain time / seconds - 1,
+  where the plain time is what the same step without drafts would have taken (that unit x
+  costs(base tokens)), against the gain the policy predicted when it chose those drafts.
+
+`trust(base)` = decayed realized gains / decayed predicted gains over recent drafting steps of a
+batch of that size (power-of-2 buckets), with a prior of a few typical steps pulling it to 1,
+clipped to [0, 1];
+the policy scales its expected accepted tokens by it. Drafts that do not pay in practice are thus
+backed off however the model went wrong. Every step all sums decay, so the trust drifts back to 1
+and drafting is tried (and measured) again now and then: it recovers when text gets repetitive.
+Conversely, when every step drafts, one step in max_age / 2 runs without drafts (`wants_probe`)
+to keep the plain-step time fresh.
+Pure Python over a few numbers per step; greedy output never depends on it.
+"""
+from __future__ import annotations
+
+
+def _unit_bucket(num_tokens: int) -> int:
+    if num_tokens <= 16:
+        return num_tokens
+    shift = num_tokens.bit_length() - 3
+    return -(-num_tokens >> shift) << shift
+
+
+def _gain_bucket(num_tokens: int) -> int:
+    return num_tokens.bit_length()  # 1, 2-3, 4-7, 8-15, 16-31, ...
+
+
+class RealizedGain:
+    def __init__(self, *, decay: float = 0.95, unit_decay: float = 0.8, prior_steps: float = 3.0,
+                 max_age: int = 64) -> None:
+        """decay: per step, of the gain sums; unit_decay: per plain step, of its bucket's time;
+        prior_steps: weight of the prior (trust 1) in drafting steps of the bucket's typical predicted
+        gain; max_age: steps after which a plain step's time is too old to compare with."""
+        self.decay, self.unit_decay, self.prior_steps, self.max_age = decay, unit_decay, prior_steps, max_age
+        self.num_steps = 0
+        self._unit: dict[int, list[float]] = {}  # bucket -> [seconds per cost unit (EMA), step of last update]
+        # bucket -> [realized, predicted] gains decayed every step, and the typical predicted gain of
+        # a drafting step (an average over drafting steps only: the prior's scale)
+        self._gain: dict[int, list[float]] = {}
+
+    def observe(self, num_base_tokens: int, base_cost: float, seconds: float, num_sampled: int,
+                num_accepted: int, num_draft_tokens: int, predicted_gain: float) -> None:
+        """A step over `num_base_tokens` tokens (modelled cost `base_cost`) plus `num_draft_tokens`
+        drafts took `seconds`; `num_sampled` requests sampled and accepted `num_accepted` drafts;
+        `predicted_gain`: the relative speedup the policy expected of those drafts."""
+        self.num_steps += 1
+        for sums in self._gain.values():
+            sums[0] *= self.decay
+            sums[1] *= self.decay
+        if seconds <= 0 or base_cost <= 0:
+            return
+        bucket = _unit_bucket(num_base_tokens)
+        unit = self._unit.get(bucket)
+        if num_draft_tokens == 0:
+            per_cost = seconds / base_cost
+            if unit is None:
+                self._unit[bucket] = [per_cost, self.num_steps]
+            else:  # an outlier (a page fault, a burst of other work) moves the average by a bounded step
+                per_cost = min(max(per_cost, 0.5 * unit[0]), 2.0 * unit[0])
+                unit[0] = self.unit_decay * unit[0] + (1 - self.unit_decay) * per_cost
+                unit[1] = self.num_steps
+            return
+        if unit is None or self.num_steps - unit[1] > self.max_age or num_sampled <= 0 or predicted_gain <= 0:
+            return
+        realized = (num_sampled + num_accepted) / num_sampled * unit[0] * base_cost / seconds - 1.0
+        sums = self._gain.setdefault(_gain_bucket(num_base_tokens), [0.0, 0.0, predicted_gain])
+        sums[0] += max(realized, -1.0)
+        sums[1] += predicted_gain
+        sums[2] = 0.8 * sums[2] + 0.2 * predicted_gain
+
+    def wants_probe(self, num_base_tokens: int) -> bool:
+        """Should the next step over such a batch run without drafts? When no recent plain step of
+        its size is known, drafting steps cannot be judged (once per max_age / 2 steps at most)."""
+        if self.num_steps == 0:  # the proposer does not report its steps: no guard
+            return False
+        unit = self._unit.get(_unit_bucket(num_base_tokens))
+        return unit is None or self.num_steps - unit[1] > self.max_age // 2
+
+    def trust(self, num_base_tokens: int) -> float:
+        """The share of predicted gains that drafting steps over such a batch realized (1 = no evidence)."""
+        sums = self._gain.get(_gain_bucket(num_base_tokens))
+        if sums is None:
+            return 1.0
+        w = self.prior_steps * sums[2]
+        return min(max((sums[0] + w) / (sums[1] + w), 0.0), 1.0)

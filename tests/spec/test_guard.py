@@ -1,0 +1,127 @@
+"""The closed-loop guard of adaptive k (specserve/spec/guard.py): drafting steps are timed against
+plain ones, and drafts that do not pay in practice are backed off, then retried."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import specserve.spec.adaptive as adaptive
+from specserve.spec.adaptive import AdaptiveK
+from specserve.spec.costs import StepCosts
+
+# measured on the 2-core AVX2 machine here (SmolLM2 fp32, 1 thread): the first extra token is dear
+CPU_TABLE = [(1, 1.0), (2, 1.74), (3, 2.3), (5, 2.34), (9, 2.5), (17, 3.4), (33, 4.25), (65, 6.96)]
+# a profile disturbed by noise: extra tokens look nearly free at any batch size
+FLAT_TABLE = [(1, 1.0), (2, 1.05), (9, 1.1), (17, 1.5), (33, 1.6), (65, 2.5)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    c = FakeClock()
+    monkeypatch.setattr(adaptive.time, "perf_counter", c)
+    return c
+
+
+def policy_with(table, max_k: int = 8) -> AdaptiveK:
+    policy = AdaptiveK(max_k, compute_bound_tokens=24)
+    policy.costs = StepCosts(24, table)
+    policy.prior_of = lambda n: n / (n + 1)  # as the n-gram proposer sets it
+    policy.best_prior = max_k / (max_k + 1)
+    policy.decay = 0.95
+    return policy
+
+
+def run_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, seconds, alpha: float, num_reqs: int = 16,
+              seed: int = 0) -> list[int]:
+    """Decode `num_steps` steps of `num_reqs` requests whose drafts (key: a 3-gram match) are each
+    accepted with probability `alpha`; a step with D drafts takes seconds(num_reqs, D). Returns the
+    drafts per step."""
+    rng = random.Random(seed)
+    rooms = {f"r{i}": 8 for i in range(num_reqs)}
+    keys = dict.fromkeys(rooms, 3)
+    ks: dict[str, int] = {}
+    drafts_per_step = []
+    for _ in range(num_steps):
+        policy.step_started()
+        num_drafts = sum(ks.values())
+        clock.now += seconds(num_reqs, num_drafts)
+        num_accepted = 0
+        for r, k in ks.items():
+            if k:
+                a = 0
+                while a < k and rng.random() < alpha:
+                    a += 1
+                policy.observe(keys[r], k, a)
+                num_accepted += a
+        policy.step_finished(num_reqs, num_drafts, num_reqs, num_accepted)
+        drafts_per_step.append(num_drafts)
+        ks = policy.plan(rooms, num_reqs, 1000, keys)
+    return drafts_per_step
+
+
+def test_low_acceptance_gives_no_drafts_on_the_cpu_table():
+    """(Not at batch 4: the table says 4 and 5 tokens cost the same there, so any draft is a bargain
+    on paper; whether it is in practice is the guard's business.)"""
+    policy = policy_with(CPU_TABLE)
+    for _ in range(20):
+        for n in range(1, 9):
+            policy.observe(n, 4, 1 if _ % 5 == 0 else 0)  # ~0.2 accepted
+    for batch in (1, 16, 64):
+        rooms = {f"r{i}": 8 for i in range(batch)}
+        keys = {r: 1 + i % 8 for i, r in enumerate(rooms)}
+        assert set(policy.plan(rooms, batch, 2048, keys).values()) == {0}, batch
+
+
+def test_drafts_that_cost_more_than_the_table_says_are_backed_off_then_retried(clock):
+    """The profile says extra tokens are nearly free; really each draft costs a fifth of a decode
+    step, so drafting slows the batch down although 75% of drafts are accepted. The guard stops it;
+    once drafts are as cheap as the table says, drafting resumes."""
+    policy = policy_with(FLAT_TABLE)
+    costs = policy.costs
+    dear = lambda b, d: 0.1 * (costs(b) + 0.2 * d)  # noqa: E731
+    honest = lambda b, d: 0.1 * costs(b + d)  # noqa: E731
+    unguarded = policy_with(FLAT_TABLE)
+    unguarded.guard.trust = lambda num_base_tokens: 1.0
+    assert sum(d > 0 for d in run_steps(unguarded, clock, 300, dear, 0.75)[100:]) > 180  # what it did before
+    drafted = run_steps(policy, clock, 300, dear, 0.75)
+    assert sum(d > 0 for d in drafted[100:]) < 30  # almost never: only the periodic re-tries
+    assert policy.guard.trust(16) < 0.5
+    drafted = run_steps(policy, clock, 300, honest, 0.75, seed=1)
+    assert sum(d > 0 for d in drafted[150:]) > 120
+    assert policy.guard.trust(16) > 0.7
+
+
+def test_paying_drafts_are_left_alone(clock):
+    """Single request, drafts accepted 90% of the time, costs as the table says: the guard keeps
+    (nearly) every drafting step and k stays long."""
+    policy = policy_with(CPU_TABLE)
+    costs = policy.costs
+    drafted = run_steps(policy, clock, 200, lambda b, d: 0.07 * costs(b + d), 0.9, num_reqs=1)
+    assert sum(d >= 4 for d in drafted[20:]) > 160
+    assert policy.guard.trust(1) > 0.6
+
+
+def test_a_proposer_that_does_not_report_steps_is_not_guarded():
+    policy = policy_with(CPU_TABLE)
+    assert not policy.guard.wants_probe(4) and policy.guard.trust(4) == 1.0
+    for _ in range(10):
+        policy.observe(3, 8, 8)
+    assert policy.plan({"r": 8}, 1, 100, {"r": 3})["r"] == 8
+
+
+def test_probe_keeps_the_plain_time_fresh(clock):
+    """Drafting every step leaves no plain step to compare with: one in max_age / 2 runs without drafts."""
+    policy = policy_with(CPU_TABLE)
+    costs = policy.costs
+    drafted = run_steps(policy, clock, 200, lambda b, d: 0.07 * costs(b + d), 1.0, num_reqs=1)
+    plain = sum(d == 0 for d in drafted[10:])
+    assert 1 <= plain <= 190 // (policy.guard.max_age // 2) + 2
