@@ -43,6 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --quantization: also quantize the embeddings and lm_head")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device runs this one (default: on for CUDA)")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-config", default=None,
@@ -57,8 +59,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_DESTS = ["dtype", "device", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "enable_prefix_caching", "quantization", "quantize_embeddings", "attention_backend",
-                "enforce_eager", "seed", "speculative_config", "draft_model", "num_speculative_tokens",
-                "draft_quantization", "draft_load_format"]
+                "enforce_eager", "async_scheduling", "seed", "speculative_config", "draft_model",
+                "num_speculative_tokens", "draft_quantization", "draft_load_format"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

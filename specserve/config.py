@@ -65,6 +65,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # filled in from the model config by the engine
+    # schedule step N+1 while step N runs on the device (None: on for CUDA, off on the CPU)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -154,7 +156,7 @@ _MODEL_KEYS = {"model", "dtype", "load_format", "max_model_len", "quantization",
                "seed", "tokenizer"}
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                "enable_prefix_caching"}
-_SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens"}
+_SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens", "async_scheduling"}
 _TOP_KEYS = {"device", "attention_backend", "enforce_eager"}
 _SPEC_KEYS = {"speculative_config", "draft_model", "num_speculative_tokens", "draft_quantization",
               "draft_load_format"}

@@ -142,6 +142,12 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
+        sc = config.scheduler
+        self.async_scheduling = sc.async_scheduling if sc.async_scheduling is not None else \
+            self.device.type == "cuda"
+        self._inflight = None  # a launched step whose sampled tokens are still on the device
+        self._touched: dict[str, _Group] = {}  # groups with news since the last step() returned
+        self.num_deferred_steps = 0  # steps left in flight by async scheduling
         logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, attention %s",
                     num_blocks, cc.block_size, format_bytes(self.kv_cache_bytes), max_len, backend.name)
 
@@ -242,6 +248,7 @@ class LLMEngine:
         any request's. Use it between `step()` calls, on the engine's thread (e.g. "regenerate from
         turn t": fork the conversation at the end of turn t with new sampling parameters).
         """
+        self._drain()  # the source's last token must be known (its outputs come with the next step)
         source = self.scheduler.requests.get(source_id)
         if source is None:
             raise ValueError(f"no unfinished request {source_id!r} to fork from")
@@ -287,20 +294,54 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step. Outputs are cumulative, one per request that advanced (only those that
-        finished with `finished_only`, which saves building outputs nobody reads)."""
+        finished with `finished_only`, which saves building outputs nobody reads).
+
+        With async scheduling a plain decode step is left in flight: the next call schedules and
+        launches its successor (whose inputs take the in-flight tokens on the device) before waiting
+        for it, so the host's scheduling and bookkeeping overlap the device's work. Its outputs then
+        come one call later, and a request that stops may have computed one extra token, discarded."""
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
-        self.spec_stats.observe(sched, result)
-        changed = self.scheduler.update_from_output(sched, result)
-        touched: dict[str, _Group] = {}
-        for request in changed:
+        defer = self.async_scheduling and self._can_defer(sched)
+        launched = self.runner.launch(sched, prev=self._inflight, defer=defer)
+        self._drain()
+        self.scheduler.advance(sched)
+        if launched.pending is not None:
+            self._inflight = launched
+            self.num_deferred_steps += 1
+        else:
+            self._finish(launched)
+        touched, self._touched = self._touched, {}
+        return [self._output(g) for g in touched.values()
+                if not finished_only or all(c.is_finished for c in g.children)]
+
+    def _can_defer(self, sched) -> bool:
+        """May this step's sampled tokens stay on the device while the next step is scheduled? Only if
+        nothing needs them on the host first: no proposer, and no request that forks, wants
+        logprobs, or samples under penalties or a min_tokens ban (they read the token history)."""
+        if self.runner.proposer is not None:
+            return False
+        for s in sched.scheduled:
+            if s.sample:
+                r, p = s.request, s.request.sampling_params
+                if r.forks or p.logprobs is not None or p.has_penalties or r.num_output_tokens <= p.min_tokens:
+                    return False
+        return True
+
+    def _drain(self) -> None:
+        """Collect the step in flight, if any (its outputs join the next `step()`'s)."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            self._finish(launched)
+
+    def _finish(self, launched) -> None:
+        result = self.runner.collect(launched)
+        self.spec_stats.observe(launched.sched, result)
+        for request in self.scheduler.resolve(launched.sched, result):
             group = self._child_to_group.get(request.request_id)
             if group is None:
                 continue
             self._detokenize(group, request)
-            touched[group.request_id] = group
-        return [self._output(g) for g in touched.values()
-                if not finished_only or all(c.is_finished for c in g.children)]
+            self._touched[group.request_id] = group
 
     def _detokenize(self, group: _Group, request: Request) -> None:
         i = group.children.index(request)
@@ -371,5 +412,6 @@ class LLMEngine:
             "num_evictions": pool.stats.num_evictions,
             "num_cow_copies": pool.stats.num_cow_copies,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_deferred_steps": self.num_deferred_steps,
             **self.spec_stats.as_dict(),
         }

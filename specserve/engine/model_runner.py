@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -25,42 +26,117 @@ class StepInputs:
     logits_rows: list[tuple[ScheduledRequest, int, int]]  # (request, first logits row, count)
 
 
+class HostStaging:
+    """Pinned host buffers for a step's integer inputs, so they reach the device in one asynchronous
+    copy per dtype instead of one blocking copy per tensor. A small ring of buffers per dtype, each
+    guarded by an event: a buffer is refilled only once the copy out of it has run (with async
+    scheduling the next step is built while earlier copies may still be queued)."""
+
+    RING = 4
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._ring: dict[torch.dtype, list[list]] = {}  # dtype -> [[buffer, event], ...]
+        self._next: dict[torch.dtype, int] = {}
+
+    def to_device(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Device tensors (views of one copy) holding `arrays` (1-D numpy, any int dtype)."""
+        sizes = [len(a) for a in arrays]
+        total = sum(sizes)
+        if not self.pinned:  # the CPU: the tensors are the (concatenated) host arrays
+            flat = torch.from_numpy(np.concatenate(arrays).astype(_NP[dtype], copy=False))
+        else:
+            ring = self._ring.setdefault(dtype, [[None, None] for _ in range(self.RING)])
+            i = self._next.get(dtype, 0)
+            self._next[dtype] = (i + 1) % self.RING
+            slot = ring[i]
+            if slot[1] is not None:
+                slot[1].synchronize()  # the copy that last used this buffer has run
+            if slot[0] is None or slot[0].numel() < total:
+                slot[0] = torch.empty(max(total, 4096), dtype=dtype, pin_memory=True)
+            host = slot[0].numpy()
+            offset = 0
+            for a, n in zip(arrays, sizes):
+                host[offset:offset + n] = a
+                offset += n
+            flat = slot[0][:total].to(self.device, non_blocking=True)
+            slot[1] = torch.cuda.Event()
+            slot[1].record()
+        out, offset = [], 0
+        for n in sizes:
+            out.append(flat[offset:offset + n])
+            offset += n
+        return out
+
+
+_NP = {torch.int64: np.int64, torch.int32: np.int32}
+_DEFAULT_STAGING: dict[torch.device, HostStaging] = {}
+
+
+def _staging_for(device: torch.device) -> HostStaging:
+    staging = _DEFAULT_STAGING.get(device)
+    if staging is None:
+        staging = _DEFAULT_STAGING[device] = HostStaging(device)
+    return staging
+
+
 def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
-                   device: torch.device, pad_block_table_to: int = 0) -> tuple[torch.Tensor, AttentionMetadata]:
+                   device: torch.device, pad_block_table_to: int = 0, staging: HostStaging | None = None,
+                   extra_int64: list[np.ndarray] = ()) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [num_tokens] and attention metadata of a flat ragged batch: request i computes the
-    last query_lens[i] of its seq_lens[i] tokens, whose KV lives in the blocks tables[i]."""
+    last query_lens[i] of its seq_lens[i] tokens, whose KV lives in the blocks tables[i].
+    `extra_int64` arrays travel to the device in the same copy; they come back in `meta.extra["int64"]`."""
+    staging = staging or _staging_for(device)
     num_reqs = len(query_lens)
-    max_blocks = max(max(len(t) for t in tables), pad_block_table_to)
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-    q_lens = torch.tensor(query_lens, dtype=torch.int32)
-    cu = torch.zeros(num_reqs + 1, dtype=torch.int32)
-    cu[1:] = q_lens.cumsum(0)
-    s_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    s_lens = np.asarray(seq_lens, dtype=np.int64)
+    cu = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
     num_tokens = int(cu[-1])
-    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens.long())
-    positions = (torch.arange(num_tokens) - cu[:-1].long()[req_of_token]
-                 + (s_lens - q_lens).long()[req_of_token])
-    slots = (block_tables[req_of_token, positions // block_size].long() * block_size
-             + positions % block_size)
+    max_blocks = max(max(len(t) for t in tables), pad_block_table_to)
+    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = t
+    if num_tokens == num_reqs:  # one token each (decodes): no per-token gather needed
+        positions = s_lens - 1
+        slots = block_tables[np.arange(num_reqs), positions // block_size] * block_size + positions % block_size
+    else:
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        positions = np.arange(num_tokens) - (cu[:-1] - s_lens + q_lens)[req_of_token]
+        slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    long_parts = staging.to_device([positions, slots, *extra_int64], torch.int64)
+    cu_d, s_lens_d, bt_d = staging.to_device([cu, s_lens, block_tables.ravel()], torch.int32)
     meta = AttentionMetadata(
-        num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_start_loc=cu.to(device), seq_lens=s_lens.to(device),
-        block_tables=block_tables.to(device), slot_mapping=slots.to(device),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, extra={"block_size": block_size})
-    return positions.to(device), meta
+        num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=int(q_lens.max()),
+        max_seq_len=int(s_lens.max()), query_start_loc=cu_d, seq_lens=s_lens_d,
+        block_tables=bt_d.view(num_reqs, max_blocks), slot_mapping=long_parts[1],
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
+        extra={"block_size": block_size, "int64": long_parts[2:]})
+    return long_parts[0], meta
 
 
 def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
-                      pad_block_table_to: int = 0) -> StepInputs:
-    """Flat token ids / positions / slots and the attention metadata of one step."""
+                      pad_block_table_to: int = 0, staging: HostStaging | None = None,
+                      prev_tokens: PendingTokens | None = None) -> StepInputs:
+    """Flat token ids / positions / slots and the attention metadata of one step. A request whose
+    last token is still in flight (async scheduling) gets it from `prev_tokens` on the device."""
     input_ids: list[int] = []
     query_lens, seq_lens, tables = [], [], []
     logits_idx: list[int] = []
     logits_rows = []
+    fill_dst: list[int] = []  # flat positions whose token id is on the device ...
+    fill_src: list[int] = []  # ... in this row of prev_tokens
     for s in scheduled:
         req = s.request
         num_real = s.num_tokens - len(s.spec_token_ids)
-        input_ids += req.all_token_ids[s.start:s.start + num_real]
+        known = req.all_token_ids[s.start:s.start + num_real]
+        input_ids += known
+        if len(known) < num_real:  # the in-flight token(s) of the previous step
+            assert prev_tokens is not None and num_real - len(known) == 1, "one token in flight at most"
+            fill_dst.append(len(input_ids))
+            fill_src.append(prev_tokens.row_of[req.request_id])
+            input_ids.append(0)
         input_ids += s.spec_token_ids
         query_lens.append(s.num_tokens)
         seq_lens.append(s.start + s.num_tokens)
@@ -70,11 +146,35 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device
             end = len(input_ids)
             logits_rows.append((s, len(logits_idx), count))
             logits_idx += range(end - count, end)
-    positions, meta = batch_metadata(query_lens, seq_lens, tables, block_size, device, pad_block_table_to)
-    return StepInputs(input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
-                      positions=positions, meta=meta,
-                      logits_indices=torch.tensor(logits_idx, dtype=torch.long).to(device),
+    extra = [np.asarray(input_ids, dtype=np.int64), np.asarray(logits_idx, dtype=np.int64),
+             np.asarray(fill_dst, dtype=np.int64), np.asarray(fill_src, dtype=np.int64)]
+    positions, meta = batch_metadata(query_lens, seq_lens, tables, block_size, device, pad_block_table_to,
+                                     staging, extra)
+    ids, logits_indices, dst, src = meta.extra.pop("int64")
+    if fill_dst:
+        ids[dst] = prev_tokens.tokens[src]
+    return StepInputs(input_ids=ids, positions=positions, meta=meta, logits_indices=logits_indices,
                       logits_rows=logits_rows)
+
+
+@dataclass
+class PendingTokens:
+    """Token ids sampled by a launched step, still on the device (one per sampled request), and
+    their copy on its way to the host."""
+
+    tokens: torch.Tensor  # [num_rows] int64, device
+    row_of: dict[str, int]  # request id -> row
+    host: torch.Tensor  # [num_rows] int64, host (pinned on CUDA), valid once `event` completed
+    event: torch.cuda.Event | None
+
+
+@dataclass
+class LaunchedStep:
+    """A step handed to the device: either finished (`result`) or with its tokens still in flight."""
+
+    sched: SchedulerOutput
+    result: ModelRunnerOutput | None = None
+    pending: PendingTokens | None = None
 
 
 class ModelRunner:
@@ -99,6 +199,7 @@ class ModelRunner:
         self.block_tensors: list[torch.Tensor] = [self.kv_cache]
         self.proposer = None  # set by the engine when speculating (specserve.spec.Proposer)
         self.rejection_sampler = None
+        self.staging = HostStaging(device)
         torch.manual_seed(seed)
 
     @staticmethod
@@ -123,23 +224,64 @@ class ModelRunner:
             self.generators[req_id] = g
         return g
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step to completion (launch + collect)."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None, defer: bool = False
+               ) -> LaunchedStep:
+        """Hand one step to the device. Tokens of `prev` still in flight feed this step's inputs on the
+        device. With `defer` (only for steps whose requests all sample plainly, one token each, without
+        a proposer) the sampled ids stay on the device and `collect` fetches them later; otherwise the
+        step is finished here."""
         for req_id in sched.finished_req_ids:
             self.generators.pop(req_id, None)
         if self.proposer is not None:
             self.proposer.begin_step(sched)
+        step = LaunchedStep(sched)
         out = ModelRunnerOutput()
         if sched.is_empty:
-            return out
+            step.result = out
+            return step
         self.copy_blocks(sched.block_copies)
-        inputs = build_step_inputs(sched.scheduled, self.block_size, self.device)
+        inputs = build_step_inputs(sched.scheduled, self.block_size, self.device, staging=self.staging,
+                                   prev_tokens=prev.pending if prev is not None else None)
         hidden = self._forward(inputs)
+        if defer and inputs.logits_rows:
+            assert self.proposer is None
+            step.pending = self._sample_deferred(inputs, hidden)
+            return step
         if inputs.logits_rows:
             self._sample(inputs, hidden, out)
         if self.proposer is not None:  # also without logits: a draft model follows every prefill chunk
             out.draft_token_ids = self.proposer.propose(self, sched, inputs, hidden, out)
-        return out
+        step.result = out
+        return step
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """The step's output (waits for its tokens if they are still in flight)."""
+        if step.result is None:
+            pending = step.pending
+            if pending.event is not None:
+                pending.event.synchronize()
+            ids = pending.host.tolist()
+            step.result = ModelRunnerOutput(sampled_token_ids={r: [ids[i]] for r, i in pending.row_of.items()})
+        return step.result
+
+    def _sample_deferred(self, inputs: StepInputs, hidden: torch.Tensor) -> PendingTokens:
+        """Sample every row (one per request, no logprobs) on the device; start the copy to the host."""
+        rows = [s.request for s, _, _ in inputs.logits_rows]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        tokens = self.sampler.sample(logits, [self._sampling_row(req) for req in rows])
+        row_of = {req.request_id: i for i, req in enumerate(rows)}
+        if self.device.type != "cuda":
+            return PendingTokens(tokens, row_of, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingTokens(tokens, row_of, host, event)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V] fp32

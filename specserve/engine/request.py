@@ -32,7 +32,9 @@ class SpecStats:
 @dataclass(eq=False)
 class Request:
     """Invariant: `num_computed_tokens` (tokens whose KV is in the cache) chases
-    `num_tokens + len(spec_token_ids)`; every step schedules some of the difference."""
+    `num_tokens + num_pending + len(spec_token_ids)`; every step schedules some of the difference.
+    `num_pending`: tokens sampled by a step still in flight (async scheduling): their ids are on the
+    device only, so the next step takes them from there and they join `all_token_ids` later."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -44,6 +46,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 = not admitted yet
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -75,7 +78,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
+        return len(self.all_token_ids) + self.num_pending + len(self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:

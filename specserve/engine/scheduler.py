@@ -77,6 +77,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending and self._ends_by_length(request):
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget,
                           max_len - request.num_computed_tokens)
             if num_new <= 0:
@@ -101,6 +104,7 @@ class Scheduler:
             if self.running and len(self.running) + 1 + len(request.forks) > self.config.max_num_seqs:
                 break  # keep room for the children it forks into (SamplingParams.n)
             assert request.num_computed_tokens == 0, "waiting requests hold no KV"
+            assert request.num_pending == 0, "a preempted request's last token is known before it returns"
             hits, num_hit = self.kv.get_computed_blocks(
                 request.request_id, request.all_token_ids, request.sampling_params.cache_salt)
             num_new = min(request.num_tokens - num_hit, budget)  # cached tokens cost no budget
@@ -128,9 +132,15 @@ class Scheduler:
         room = self.config.max_model_len - num_computed
         return max(num_new, min(num_new + self.num_lookahead_tokens, room))
 
+    def _ends_by_length(self, request: Request) -> bool:
+        """Will the request's in-flight tokens reach max_tokens / max_model_len?"""
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and request.num_output_tokens + request.num_pending >= max_tokens)
+                or request.num_tokens + request.num_pending >= self.config.max_model_len)
+
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         end = request.num_computed_tokens + num_new
-        num_spec = max(0, end - request.num_tokens)
+        num_spec = max(0, end - request.num_tokens - request.num_pending)
         if num_spec < len(request.spec_token_ids):
             request.spec_token_ids = request.spec_token_ids[:num_spec]  # budget cut the drafts short
         # Register the full blocks this step fills (known tokens only, never drafts) now, so requests
@@ -140,7 +150,7 @@ class Scheduler:
         return ScheduledRequest(request=request, start=request.num_computed_tokens, num_tokens=num_new,
                                 spec_token_ids=list(request.spec_token_ids),
                                 block_ids=self.kv.block_ids(request.request_id),
-                                sample=end >= request.num_tokens)
+                                sample=end >= request.num_tokens + request.num_pending)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -154,13 +164,29 @@ class Scheduler:
     # -- results ---------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance counters, append sampled tokens, apply stop rules; returns requests with news."""
+        self.advance(sched)
+        return self.resolve(sched, result)
+
+    def advance(self, sched: SchedulerOutput) -> None:
+        """The step is launched: its tokens count as computed, and each request that samples has one
+        token in flight (async scheduling may schedule the next step before `resolve`)."""
+        for s in sched.scheduled:
+            request = s.request
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens = s.start + s.num_tokens
+                request.num_pending += s.sample
+
+    def resolve(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """The step's results are back: append sampled tokens (rolling back rejected drafts), apply
+        stop rules; returns requests with news. A request preempted since `advance` still gets its
+        token (it was sampled from valid KV); a finished or aborted one gets nothing."""
         changed = []
         now = time.monotonic()
         for s in sched.scheduled:
             request = s.request
-            if request.status != RequestStatus.RUNNING:
-                continue  # finished/aborted meanwhile
-            request.num_computed_tokens = s.start + s.num_tokens
+            if not s.sample or request.status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+                continue  # no token, or finished / aborted meanwhile
+            request.num_pending -= 1
             new_ids = result.sampled_token_ids.get(request.request_id)
             if not new_ids:
                 continue

@@ -125,10 +125,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [N, V] fp32 (one row per request to sample) -> token ids, logprob dicts."""
-        params = [r.params for r in rows]
-        want_logprobs = [p.logprobs for p in params]
+        want_logprobs = [r.params.logprobs for r in rows]
         raw = logits if any(n is not None for n in want_logprobs) else None
-        processed = logits.clone() if raw is not None else logits
+        tokens = self.sample(logits.clone() if raw is not None else logits, rows)
+        logprobs = top_logprobs(raw, tokens, want_logprobs) if raw is not None else [None] * len(rows)
+        return tokens.tolist(), logprobs
+
+    def sample(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Token ids [N] on the logits' device (no host synchronisation); `processed` may be modified."""
+        params = [r.params for r in rows]
         if any(p.has_penalties or p.min_tokens for p in params):
             processed = apply_penalties(processed, rows)
         if all(p.greedy for p in params):
@@ -138,7 +143,6 @@ class Sampler:
                                                          for p, r in zip(params, rows)])
             greedy = [i for i, p in enumerate(params) if p.greedy]
             if greedy:  # exact argmax for greedy rows (the one-hot draw equals it; this avoids the draw)
-                idx = torch.tensor(greedy, device=logits.device)
+                idx = torch.tensor(greedy, device=processed.device)
                 tokens[idx] = processed[idx].argmax(dim=-1)
-        logprobs = top_logprobs(raw, tokens, want_logprobs) if raw is not None else [None] * len(rows)
-        return tokens.tolist(), logprobs
+        return tokens

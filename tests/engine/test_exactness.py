@@ -31,7 +31,13 @@ def reference(tiny_model_dir):
     dict(max_num_batched_tokens=16, block_size=4),  # chunked prefill forced
     dict(num_kv_blocks=14, block_size=8, max_num_batched_tokens=64),  # preemption forced
     dict(enable_prefix_caching=False, max_num_seqs=3),
-], ids=["plain", "chunked", "preempt", "nocache-3seqs"])
+    # async scheduling (the CUDA default): plain decode steps stay in flight while the next is scheduled
+    dict(async_scheduling=True),
+    dict(async_scheduling=True, max_num_batched_tokens=16, block_size=4),
+    dict(async_scheduling=True, num_kv_blocks=14, block_size=8, max_num_batched_tokens=64),
+    dict(async_scheduling=True, enable_prefix_caching=False, max_num_seqs=3),
+], ids=["plain", "chunked", "preempt", "nocache-3seqs", "async", "async-chunked", "async-preempt",
+        "async-3seqs"])
 def test_greedy_matches_hf(tiny_model_dir, reference, engine_args):
     prompts, expected = reference
     llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", **engine_args)

@@ -58,11 +58,11 @@ def test_the_prompt_is_prefilled_once_and_only_the_partial_block_is_copied(tiny_
         llm = make_llm(tiny_llama_dir, enable_prefix_caching=caching)
         computed = []
 
-        def spy(sched, computed=computed, execute=llm.engine.runner.execute):
+        def spy(sched, *args, computed=computed, launch=llm.engine.runner.launch, **kwargs):
             computed.append(sched.num_batched_tokens)
-            return execute(sched)
+            return launch(sched, *args, **kwargs)
 
-        llm.engine.runner.execute = spy
+        llm.engine.runner.launch = spy
         params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)
         out = llm.generate({"prompt_token_ids": prompt(21)}, params)[0]
         assert [len(c.token_ids) for c in out.outputs] == [5] * 4
