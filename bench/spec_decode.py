@@ -1,11 +1,16 @@
 """Speculative decoding: output tokens/s and mean acceptance length, with and without speculation,
 at several concurrency levels, in one run, same engine settings and same prompts.
 
-CPU (default): the default model (SmolLM2-135M-Instruct, bf16) with n-gram drafts on HumanEval
+CPU (default): the default model (SmolLM2-135M-Instruct) with n-gram drafts on HumanEval
 (the model is asked to complete the function: chat template) and ShareGPT (first human turn),
 greedy, natural stops capped at --max-tokens:
 
-    python bench/spec_decode.py --out bench/results/spec_decode_cpu
+    python bench/spec_decode.py --threads 1 --dtype float32 --out bench/results/spec_decode_cpu
+
+On the CPU one engine serves both ("none" = no proposer attached) and the runs of a level alternate
+none, ngram, none, ngram, ..., none: each ngram run is compared with the mean of the baseline runs
+just before and after it, and the median over runs is reported, next to the same statistic for
+baseline runs (A/A: the noise floor of a shared machine).
 
 GPU: dummy weights of real shapes (configs/models/) where acceptance is meaningless, so it is
 controlled: draft = target weights (the top of the range) and the Llama-3.2-1B-shaped draft with the
@@ -16,7 +21,7 @@ BENCHMARK-ONLY simulated-acceptance switch; random prompts, ignore_eos:
 
 Concurrency c = c requests in flight (closed loop: a finished request is replaced by the next);
 each level uses its own prompts (no prefix-cache reuse across levels). Output tokens/s counts
-generated tokens over the wall time of the level.
+generated tokens over the wall time of a run.
 """
 from __future__ import annotations
 
@@ -105,11 +110,8 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
     }
 
 
-CONTROL = "none A/A"  # the baseline again, same engine: its ratio to "none" shows the noise floor
-
-
 def configs(args) -> list[tuple[str, dict | None]]:
-    """(name, speculative_config): the baseline first; on the CPU the A/A control last."""
+    """(name, speculative_config): the baseline first."""
     k = args.num_speculative_tokens
     base = dict(num_speculative_tokens=k, adaptive=not args.no_adaptive)
     if args.compute_bound_tokens:
@@ -119,8 +121,6 @@ def configs(args) -> list[tuple[str, dict | None]]:
         if args.draft_model:
             out.append(("draft", dict(base, method="draft_model", model=args.draft_model,
                                       load_format=args.load_format)))
-        if args.device == "cpu" and not args.no_control:
-            out.append((CONTROL, None))
         return out
     draft = dict(base, method="draft_model", load_format="dummy")
     out = [("none", None), ("draft=target", dict(draft, model=args.model))]
@@ -147,6 +147,25 @@ def merge_runs(runs: list[dict]) -> dict:
     out["repeats"] = len(runs)
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
     return out
+
+
+def add_ratios(row: dict, names: list[str], interleaved: bool) -> None:
+    """Speedups of a level. Interleaved runs (the CPU: baseline runs b_0 .. b_R around the runs s_i
+    of each speculative setup): speedup = the median of s_i / mean(b_i, b_i+1), robust to a run hit
+    by a burst of other work; the A/A control, the same statistic for each inner baseline run,
+    b_i / mean(b_i-1, b_i+1), shows the noise floor. Otherwise: the ratio of tokens/s totals."""
+    base = row["none"].get("tokens_per_s_runs", [row["none"]["tokens_per_s"]])
+    for name in names[1:]:
+        r = row[name]
+        runs = r.get("tokens_per_s_runs", [r["tokens_per_s"]])
+        if interleaved and len(runs) == len(base) - 1:
+            r["speedup_runs"] = [round(x / ((a + b) / 2), 3) for x, a, b in zip(runs, base, base[1:])]
+            r["speedup"] = round(statistics.median(r["speedup_runs"]), 3)
+        else:
+            r["speedup"] = round(r["tokens_per_s"] / row["none"]["tokens_per_s"], 3)
+    if interleaved and len(base) >= 3:
+        row["control_runs"] = [round(x / ((a + b) / 2), 3) for a, x, b in zip(base, base[1:], base[2:])]
+        row["control"] = round(statistics.median(row["control_runs"]), 3)
 
 
 def repeats_for(args, concurrency: int) -> int:
@@ -200,9 +219,9 @@ def main() -> int:
     ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")
     ap.add_argument("--simulated-acceptance", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=3, help="A/B repeats per level below c=32 (ABBA order)")
-    ap.add_argument("--repeats-large", type=int, default=2, help="A/B repeats per level from c=32 (longer runs)")
-    ap.add_argument("--no-control", action="store_true", help="CPU: skip the A/A control (none vs none)")
+    ap.add_argument("--repeats", type=int, default=4,
+                    help="runs of each speculative setup per level below c=32, each between two baseline runs")
+    ap.add_argument("--repeats-large", type=int, default=2, help="the same from c=32 (longer runs)")
     ap.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     ap.add_argument("--out", default=None, help="path without suffix: writes .json and .md")
     args = ap.parse_args()
@@ -252,9 +271,15 @@ def main() -> int:
                 row = rows.setdefault((dataset, c), {"dataset": dataset, "concurrency": c})
                 repeats = repeats_for(args, c)
                 runs: dict[str, list[dict]] = {s.name: [] for s in setups}
-                for r in range(repeats):  # A B, then B A: drifting machine load hits both alike
-                    for s in (setups if r % 2 == 0 else setups[::-1]):
+                # none, spec, none, spec, ..., none: each speculative run lies between two baseline
+                # runs on the same engine, and is compared with their mean (cancels a drifting load)
+                base = [s for s in setups if s.name == "none"]
+                others = [s for s in setups if s.name != "none"]
+                for _ in range(repeats):
+                    for s in base + others:
                         runs[s.name].append(s.run(level_prompts, c, params))
+                for s in base:
+                    runs[s.name].append(s.run(level_prompts, c, params))
                 for s in setups:
                     row[s.name] = merge_runs(runs[s.name])
                     print(f"{dataset:9s} c={c:3d} {s.name:14s} {row[s.name]['tokens_per_s']:8.2f} tok/s  "
@@ -265,13 +290,7 @@ def main() -> int:
         if args.device != "cpu":
             torch.cuda.empty_cache()
     for row in rows.values():
-        base_runs = row["none"].get("tokens_per_s_runs", [row["none"]["tokens_per_s"]])
-        for name in names[1:]:
-            # the median of per-repeat ratios (each repeat's runs are back to back): robust to a
-            # repeat hit by a burst of other work, unlike the ratio of totals
-            runs = row[name].get("tokens_per_s_runs", [row[name]["tokens_per_s"]])
-            row[name]["speedup_runs"] = [round(a / b, 3) for a, b in zip(runs, base_runs)]
-            row[name]["speedup"] = round(statistics.median(row[name]["speedup_runs"]), 3)
+        add_ratios(row, names, interleaved=len(groups) == 1)
         results["levels"].append(row)
     results["load_avg_end"] = os.getloadavg()
     table = markdown(results, names)
@@ -293,26 +312,26 @@ def markdown(results: dict, names: list[str]) -> str:
     for name, table in results.get("step_costs", {}).items():
         lines += [f"Measured step costs ({name}; tokens: x a one-token forward): "
                   + ", ".join(f"{n}: {c:.2f}" for n, c in table), ""]
-    head = ["dataset", "conc.", "reqs", "reps"]
+    head = ["dataset", "conc.", "reqs", "runs"]
     for n in names:
-        head += [f"{n} tok/s"]
-        if n != "none":
-            head += [f"{n} speedup (median)", "per repeat"] + ([] if n == CONTROL else [f"{n} mean acc. len"])
-    head += [f"{n} TPOT ms" for n in names if n != CONTROL]
-    lines += ["Speedup = median over repeats of (tokens/s) / (none tokens/s of the same repeat); "
-              f"\"{CONTROL}\" is the baseline run again on the same engine: its ratio is the noise floor.", ""]
+        head += [f"{n} tok/s"] + ([] if n == "none" else [f"{n} speedup", "per run", f"{n} mean acc. len"])
+    head += ["A/A (none)", "per run"] + [f"{n} TPOT ms" for n in names]
+    lines += ["Speedup: the median over runs of a speculative run's tokens/s over the mean of the two baseline "
+              "runs just before and after it (same engine, same prompts). A/A: the same statistic for a "
+              "baseline run between two baseline runs: the noise floor.", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["levels"]:
         cells = [row["dataset"], str(row["concurrency"]), str(row["none"]["requests"]),
-                 str(row["none"].get("repeats", 1))]
+                 str(row[names[-1]].get("repeats", 1))]
         for n in names:
             r = row[n]
             cells.append(f"{r['tokens_per_s']:.1f}")
             if n != "none":
-                cells += [f"{r['speedup']:.2f}x", " ".join(f"{x:.2f}" for x in r["speedup_runs"])]
-                if n != CONTROL:
-                    cells.append(str(r["mean_acceptance_length"] or "-"))
-        cells += [str(row[n]["mean_tpot_ms"]) for n in names if n != CONTROL]
+                cells += [f"{r['speedup']:.2f}x", " ".join(f"{x:.2f}" for x in r.get("speedup_runs", [])),
+                          str(r["mean_acceptance_length"] or "-")]
+        cells += [f"{row['control']:.2f}x" if "control" in row else "-",
+                  " ".join(f"{x:.2f}" for x in row.get("control_runs", []))]
+        cells += [str(row[n]["mean_tpot_ms"]) for n in names]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
