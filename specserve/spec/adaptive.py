@@ -1,8 +1,8 @@
 """Adaptive speculation length: how many drafts each request gets next step (0 = do not speculate).
 
 Speculation pays when the extra verification tokens are cheap (the target forward is bound by
-reading weights, not by compute) and drafts are likely accepted. The cost model is deterministic,
-so the same inputs always give the same k (greedy output never depends on k anyway):
+reading weights, not by compute) and drafts are likely accepted. The same inputs (estimates, cost
+table, the guard's trust) always give the same k; greedy output never depends on k anyway:
 
 - a target forward over N tokens costs `costs(N)` steps (specserve/spec/costs.py): analytically
   `1 + N / compute_bound_tokens` (reading the weights once, plus compute per token; the sum, not
@@ -14,10 +14,14 @@ so the same inputs always give the same k (greedy output never depends on k anyw
   ~20% of the time on HumanEval with SmolLM2, a 5-gram one ~95%). Its j-th draft adds alpha_r ** j
   expected tokens.
 
-`plan` adds (request, j) drafts in order of decreasing alpha_r ** j while the expected tokens per
-unit of time improve: a draft is worth it iff alpha_r ** j >= (tokens / cost) x (the marginal
-cost of one more token, + a draft step's), so the bar rises with the batch. At high concurrency it
-nears 1 and k drops to 0: speculation switches itself off instead of slowing the server down.
+`plan` gives requests, in order of decreasing alpha_r, the whole k that most improves expected
+tokens per unit of cost, if the drafts' tokens per unit of their own cost beat the batch's by a
+margin, so the bar rises with the batch. At high concurrency it nears 1 and k drops to 0:
+speculation switches itself off instead of slowing the server down.
+
+The model is checked against the clock (specserve/spec/guard.py): a proposer that reports its
+steps (`step_started` / `step_finished`) lets the guard compare the realized gain of drafting steps
+with the predicted one; the expected accepted tokens are scaled by that share (`trust`, <= 1).
 """
 from __future__ import annotations
 

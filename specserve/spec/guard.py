@@ -18,7 +18,7 @@ clipped to [0, 1];
 the policy scales its expected accepted tokens by it. Drafts that do not pay in practice are thus
 backed off however the model went wrong. Every step all sums decay, so the trust drifts back to 1
 and drafting is tried (and measured) again now and then: it recovers when text gets repetitive.
-Conversely, when every step drafts, one step in max_age / 2 runs without drafts (`wants_probe`)
+Conversely, when every step drafts, about one step in max_age runs without drafts (`wants_probe`)
 to keep the plain-step time fresh.
 Pure Python over a few numbers per step; greedy output never depends on it.
 """
@@ -48,6 +48,7 @@ class RealizedGain:
         # bucket -> [realized, predicted] gains decayed every step, and the typical predicted gain of
         # a drafting step (an average over drafting steps only: the prior's scale)
         self._gain: dict[int, list[float]] = {}
+        self._unjudged: dict[int, int] = {}  # unit bucket -> drafting steps since its plain time went stale
 
     def observe(self, num_base_tokens: int, base_cost: float, seconds: float, num_sampled: int,
                 num_accepted: int, num_draft_tokens: int, predicted_gain: float) -> None:
@@ -63,6 +64,7 @@ class RealizedGain:
         bucket = _unit_bucket(num_base_tokens)
         unit = self._unit.get(bucket)
         if num_draft_tokens == 0:
+            self._unjudged.pop(bucket, None)
             per_cost = seconds / base_cost
             if unit is None:
                 self._unit[bucket] = [per_cost, self.num_steps]
@@ -71,7 +73,10 @@ class RealizedGain:
                 unit[0] = self.unit_decay * unit[0] + (1 - self.unit_decay) * per_cost
                 unit[1] = self.num_steps
             return
-        if unit is None or self.num_steps - unit[1] > self.max_age or num_sampled <= 0 or predicted_gain <= 0:
+        if unit is None or self.num_steps - unit[1] > self.max_age:
+            self._unjudged[bucket] = self._unjudged.get(bucket, 0) + 1
+            return
+        if num_sampled <= 0 or predicted_gain <= 0:
             return
         realized = (num_sampled + num_accepted) / num_sampled * unit[0] * base_cost / seconds - 1.0
         sums = self._gain.setdefault(_gain_bucket(num_base_tokens), [0.0, 0.0, predicted_gain])
@@ -80,12 +85,9 @@ class RealizedGain:
         sums[2] = 0.8 * sums[2] + 0.2 * predicted_gain
 
     def wants_probe(self, num_base_tokens: int) -> bool:
-        """Should the next step over such a batch run without drafts? When no recent plain step of
-        its size is known, drafting steps cannot be judged (once per max_age / 2 steps at most)."""
-        if self.num_steps == 0:  # the proposer does not report its steps: no guard
-            return False
-        unit = self._unit.get(_unit_bucket(num_base_tokens))
-        return unit is None or self.num_steps - unit[1] > self.max_age // 2
+        """Should the next step over such a batch run without drafts? Yes after two drafting steps
+        that had no recent plain step of their size to be judged against."""
+        return self._unjudged.get(_unit_bucket(num_base_tokens), 0) >= 2
 
     def trust(self, num_base_tokens: int) -> float:
         """The share of predicted gains that drafting steps over such a batch realized (1 = no evidence)."""
