@@ -41,12 +41,14 @@ def bench_specserve(args) -> dict:
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device=args.device,
               max_model_len=args.max_model_len, max_num_seqs=max(args.requests, 1),
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              async_scheduling=args.async_scheduling,
               gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
               enable_prefix_caching=False)
     vocab = llm.engine.loaded.arch.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     result = {"weight_bytes": llm.engine.weight_bytes, "kv_cache_bytes": llm.engine.kv_cache_bytes,
               "cuda_graphs": llm.engine.runner.graphs is not None,
+              "async_scheduling": llm.engine.async_scheduling,
               "attention_backend": llm.engine.runner.backend.name}
     llm.generate([{"prompt_token_ids": p} for p in prompts(4, args.prompt_len, vocab, 99)], params)  # warm-up
 
@@ -59,7 +61,10 @@ def bench_specserve(args) -> dict:
     result["batch1_decode_tok_s"] = statistics.median(rates)
     result["batch1_runs"] = rates
 
-    # throughput: all requests at once, output tokens / wall time
+    # throughput: all requests at once, output tokens / wall time (after a short run of the same
+    # shape, so kernels for its batch sizes are compiled before timing)
+    llm.generate([{"prompt_token_ids": p} for p in prompts(args.requests, args.prompt_len, vocab, 98)],
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     tps = []
     for r in range(args.repeats):
         batch = [{"prompt_token_ids": p} for p in prompts(args.requests, args.prompt_len, vocab, 100 + r)]
@@ -110,6 +115,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: the engine's (on for CUDA)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-batches", type=int, nargs="+", default=[256])
     ap.add_argument("--out", required=True)

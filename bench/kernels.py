@@ -52,8 +52,9 @@ from specserve.models.layers.attention import AttentionMetadata  # noqa: E402
 from specserve.models.layers.torch_attn import TorchAttentionBackend  # noqa: E402
 
 H, KVH, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
+INTERMEDIATE = 14336  # Llama-3.1-8B MLP
 DEV = torch.device("cuda")
-LAYER_TOKENS = (64, 8192)  # a decode batch and a prefill chunk
+LAYER_TOKENS = (1, 64, 256, 8192)  # decode batches and a prefill chunk
 
 
 def ms(fn, graph: bool = False, rep: int = 100) -> float:
@@ -163,7 +164,8 @@ def _cfg_str(cfg: dict) -> str:
 
 
 def bench_layer_ops(rows: list) -> None:
-    """Eager torch RMSNorm(+residual) and RoPE of the model (basic.py) vs the fused Triton kernels."""
+    """Eager torch RMSNorm(+residual), RoPE and SwiGLU activation of the model (basic.py) vs the fused
+    Triton kernels."""
     from specserve.models.layers.basic import RMSNorm, RotaryEmbedding
 
     hidden = H * D
@@ -177,11 +179,18 @@ def bench_layer_ops(rows: list) -> None:
         pos = torch.randint(0, 8192, (num_tokens,), device=DEV)
         norm_bytes = 4 * x.numel() * x.element_size()  # read x, residual; write out, residual
         rope_bytes = 2 * (q.numel() + k.numel()) * q.element_size()
+        gate_up = torch.randn(num_tokens, 2 * INTERMEDIATE, device=DEV, dtype=DTYPE)
+        act_bytes = 3 * gate_up.numel() // 2 * gate_up.element_size()  # read gate, up; write out
+
+        def torch_act(gate_up=gate_up):
+            gate, up = gate_up.split(INTERMEDIATE, dim=-1)
+            return torch.nn.functional.silu(gate) * up
         for name, fn_torch, fn_triton, nbytes in (
                 ("rms_norm+residual", partial(norm, x, res), partial(K.rms_norm, x, norm.weight, 1e-5, res),
                  norm_bytes),
                 ("rope q+k", partial(rope, pos, q, k), partial(K.rotary_embedding, pos, q, k, rope.cos, rope.sin),
-                 rope_bytes)):
+                 rope_bytes),
+                ("silu_and_mul", torch_act, partial(K.silu_and_mul, gate_up), act_bytes)):
             t_torch, t_triton = ms(fn_torch, graph=True), ms(fn_triton, graph=True)
             rows.append(dict(name=f"{name} T={num_tokens}", torch_ms_graph=t_torch, triton_ms_graph=t_triton,
                              triton_gbps=nbytes / t_triton / 1e6, speedup=t_torch / t_triton))

@@ -1,4 +1,5 @@
 """Triton kernels of specserve and their plain-PyTorch references (import name `specserve.kernels`)."""
+from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
 from specserve.kernels.attention_config import KernelConfig, select_configs
 from specserve.kernels.paged_attention import paged_attention, ref_paged_attention
 from specserve.kernels.reshape_and_cache import ref_reshape_and_cache, reshape_and_cache
@@ -12,8 +13,10 @@ __all__ = [
     "ref_reshape_and_cache",
     "ref_rms_norm",
     "ref_rotary_embedding",
+    "ref_silu_and_mul",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
     "select_configs",
+    "silu_and_mul",
 ]

@@ -315,15 +315,17 @@ class LLMEngine:
                 if not finished_only or all(c.is_finished for c in g.children)]
 
     def _can_defer(self, sched) -> bool:
-        """May this step's sampled tokens stay on the device while the next step is scheduled? Only if
-        nothing needs them on the host first: no proposer, and no request that forks, wants
-        logprobs, or samples under penalties or a min_tokens ban (they read the token history)."""
+        """May this step's sampled tokens stay on the device while the next step is scheduled (and
+        sampled)? Only if nothing needs them on the host first: no proposer, and no request that
+        forks, wants logprobs, or whose next sample reads the token history (penalties; the eos ban
+        until min_tokens)."""
         if self.runner.proposer is not None:
             return False
         for s in sched.scheduled:
             if s.sample:
                 r, p = s.request, s.request.sampling_params
-                if r.forks or p.logprobs is not None or p.has_penalties or r.num_output_tokens <= p.min_tokens:
+                if (r.forks or p.logprobs is not None or p.has_penalties
+                        or r.num_output_tokens + r.num_pending < p.min_tokens):
                     return False
         return True
 

@@ -11,12 +11,13 @@ _FUSED: tuple | None = None
 
 
 def fused_ops() -> tuple | None:
-    """The Triton RMSNorm / RoPE kernels, or None where Triton is missing (CUDA tensors only)."""
+    """The Triton RMSNorm / RoPE / SwiGLU-activation kernels, or None where Triton is missing (CUDA
+    tensors only)."""
     global _FUSED
     if _FUSED is None:
         try:
-            from specserve.kernels import rms_norm, rotary_embedding
-            _FUSED = (rms_norm, rotary_embedding)
+            from specserve.kernels import rms_norm, rotary_embedding, silu_and_mul
+            _FUSED = (rms_norm, rotary_embedding, silu_and_mul)
         except ImportError:
             _FUSED = ()
     return _FUSED or None
@@ -99,5 +100,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and gate_up.dim() == 2 and (fused := fused_ops()) is not None:
+            return self.down_proj(fused[2](gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
