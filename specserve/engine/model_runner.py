@@ -28,9 +28,10 @@ class StepInputs:
 
 class HostStaging:
     """Pinned host buffers for a step's integer inputs, so they reach the device in one asynchronous
-    copy per dtype instead of one blocking copy per tensor. A small ring of buffers per dtype, each
-    guarded by an event: a buffer is refilled only once the copy out of it has run (with async
-    scheduling the next step is built while earlier copies may still be queued)."""
+    copy per dtype instead of one blocking copy per tensor (and for sampled ids on their way back). A
+    small ring of buffers per dtype, each guarded by an event: a buffer is reused only once the copy
+    that last used it has run (with async scheduling the next step is built while earlier copies may
+    still be queued). Preallocated: allocating pinned memory per step can stall on the device."""
 
     RING = 4
 
@@ -39,6 +40,37 @@ class HostStaging:
         self.pinned = device.type == "cuda"
         self._ring: dict[torch.dtype, list[list]] = {}  # dtype -> [[buffer, event], ...]
         self._next: dict[torch.dtype, int] = {}
+        self.last_event: torch.cuda.Event | None = None
+
+    def _buffer(self, dtype: torch.dtype, total: int) -> list:
+        """The next [pinned buffer, event] of the ring, once the copy that last used it has run."""
+        ring = self._ring.setdefault(dtype, [[None, None] for _ in range(self.RING)])
+        i = self._next.get(dtype, 0)
+        self._next[dtype] = (i + 1) % self.RING
+        slot = ring[i]
+        if slot[1] is not None:
+            slot[1].synchronize()
+        if slot[0] is None or slot[0].numel() < total:
+            slot[0] = torch.empty(max(total, 4096), dtype=dtype, pin_memory=True)
+        return slot
+
+    def _copied(self, slot: list) -> None:
+        slot[1] = self.last_event = torch.cuda.Event()
+        slot[1].record()
+
+    def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pinned host views that the device tensors (1-D, one dtype) are being copied into; valid
+        once `last_event` has completed."""
+        sizes = [t.numel() for t in tensors]
+        slot = self._buffer(tensors[0].dtype, sum(sizes))
+        out, offset = [], 0
+        for t, n in zip(tensors, sizes):
+            view = slot[0][offset:offset + n]
+            view.copy_(t, non_blocking=True)
+            out.append(view)
+            offset += n
+        self._copied(slot)
+        return out
 
     def to_device(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
         """Device tensors (views of one copy) holding `arrays` (1-D numpy, any int dtype)."""
@@ -47,22 +79,14 @@ class HostStaging:
         if not self.pinned:  # the CPU: the tensors are the (concatenated) host arrays
             flat = torch.from_numpy(np.concatenate(arrays).astype(_NP[dtype], copy=False))
         else:
-            ring = self._ring.setdefault(dtype, [[None, None] for _ in range(self.RING)])
-            i = self._next.get(dtype, 0)
-            self._next[dtype] = (i + 1) % self.RING
-            slot = ring[i]
-            if slot[1] is not None:
-                slot[1].synchronize()  # the copy that last used this buffer has run
-            if slot[0] is None or slot[0].numel() < total:
-                slot[0] = torch.empty(max(total, 4096), dtype=dtype, pin_memory=True)
+            slot = self._buffer(dtype, total)
             host = slot[0].numpy()
             offset = 0
             for a, n in zip(arrays, sizes):
                 host[offset:offset + n] = a
                 offset += n
             flat = slot[0][:total].to(self.device, non_blocking=True)
-            slot[1] = torch.cuda.Event()
-            slot[1].record()
+            self._copied(slot)
         out, offset = [], 0
         for n in sizes:
             out.append(flat[offset:offset + n])
@@ -112,7 +136,9 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
         max_seq_len=int(s_lens.max()), query_start_loc=cu_d, seq_lens=s_lens_d,
         block_tables=bt_d.view(num_reqs, max_blocks), slot_mapping=long_parts[1],
         query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
-        extra={"block_size": block_size, "int64": long_parts[2:]})
+        extra={"block_size": block_size})
+    if extra_int64:
+        meta.extra["int64"] = long_parts[2:]
     return long_parts[0], meta
 
 
@@ -199,7 +225,8 @@ class ModelRunner:
         self.block_tensors: list[torch.Tensor] = [self.kv_cache]
         self.proposer = None  # set by the engine when speculating (specserve.spec.Proposer)
         self.rejection_sampler = None
-        self.staging = HostStaging(device)
+        self.staging = HostStaging(device)  # step inputs, host -> device
+        self.token_staging = HostStaging(device)  # sampled ids of deferred steps, device -> host
         torch.manual_seed(seed)
 
     @staticmethod
@@ -277,11 +304,8 @@ class ModelRunner:
         row_of = {req.request_id: i for i, req in enumerate(rows)}
         if self.device.type != "cuda":
             return PendingTokens(tokens, row_of, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return PendingTokens(tokens, row_of, host, event)
+        (host,) = self.token_staging.to_host([tokens])
+        return PendingTokens(tokens, row_of, host, self.token_staging.last_event)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V] fp32
