@@ -302,6 +302,8 @@ class LLMEngine:
         come one call later, and a request that stops may have computed one extra token, discarded."""
         sched = self.scheduler.schedule()
         defer = self.async_scheduling and self._can_defer(sched)
+        if not defer:
+            self._drain()  # a step finished here sees every earlier token on the host (proposers need them)
         launched = self.runner.launch(sched, prev=self._inflight, defer=defer)
         self._drain()
         self.scheduler.advance(sched)
@@ -316,10 +318,13 @@ class LLMEngine:
 
     def _can_defer(self, sched) -> bool:
         """May this step's sampled tokens stay on the device while the next step is scheduled (and
-        sampled)? Only if nothing needs them on the host first: no proposer, and no request that
-        forks, wants logprobs, or whose next sample reads the token history (penalties; the eos ban
-        until min_tokens)."""
-        if self.runner.proposer is not None:
+        sampled)? Only if nothing needs them on the host first: no drafts to verify, a proposer (if
+        any) that would propose nothing after this step whatever it samples (`idle`: adaptive k
+        finds no draft worth it at this batch size), and no request that forks, wants logprobs, or
+        whose next sample reads the token history (penalties; the eos ban until min_tokens)."""
+        proposer = self.runner.proposer
+        if proposer is not None and (any(s.spec_token_ids for s in sched.scheduled)
+                                     or not proposer.idle(sched)):
             return False
         for s in sched.scheduled:
             if s.sample:

@@ -259,9 +259,9 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None, defer: bool = False
                ) -> LaunchedStep:
         """Hand one step to the device. Tokens of `prev` still in flight feed this step's inputs on the
-        device. With `defer` (only for steps whose requests all sample plainly, one token each, without
-        a proposer) the sampled ids stay on the device and `collect` fetches them later; otherwise the
-        step is finished here."""
+        device. With `defer` (only for steps whose requests all sample plainly, one token each, with no
+        drafts to verify and an idle proposer) the sampled ids stay on the device and `collect` fetches
+        them later; otherwise the step is finished here."""
         for req_id in sched.finished_req_ids:
             self.generators.pop(req_id, None)
         if self.proposer is not None:
@@ -276,7 +276,8 @@ class ModelRunner:
                                    prev_tokens=prev.pending if prev is not None else None)
         hidden = self._forward(inputs)
         if defer and inputs.logits_rows:
-            assert self.proposer is None
+            if self.proposer is not None:  # idle this step: it only keeps its books
+                self.proposer.skip(sched)
             step.pending = self._sample_deferred(inputs, hidden)
             return step
         if inputs.logits_rows:

@@ -36,6 +36,7 @@ from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, Schedu
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import draw, probs_for
 from specserve.spec.adaptive import AdaptiveK, DraftSlot, plan_step
+from specserve.spec.proposer import idle_policy
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,20 @@ class DraftModelProposer:
             self.policy.remove(req_id)
         for src, dst in sched.block_copies:
             self._stale[dst] = self._stale[src]
+
+    def idle(self, sched: SchedulerOutput) -> bool:
+        return idle_policy(self.policy, sched)
+
+    def skip(self, sched: SchedulerOutput) -> None:
+        """Like a step where every request gets k = 0: the draft falls behind, the blocks the target
+        wrote are stale for it. (No drafts were verified: the target computed [start, start + n).)"""
+        for s in sched.scheduled:
+            verified = s.start + s.num_tokens
+            done = self._computed.get(s.request.request_id)
+            done = min(self._trusted_prefix(s) if done is None else done, verified)
+            self._computed[s.request.request_id] = done
+            self._mark(s.block_ids, done, verified, stale=True)
+        self.policy.guard.tick()
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         assert req_id in self._probs, f"{req_id} has drafts the draft model did not propose"

@@ -55,10 +55,7 @@ class RealizedGain:
         """A step over `num_base_tokens` tokens (modelled cost `base_cost`) plus `num_draft_tokens`
         drafts took `seconds`; `num_sampled` requests sampled and accepted `num_accepted` drafts;
         `predicted_gain`: the relative speedup the policy expected of those drafts."""
-        self.num_steps += 1
-        for sums in self._gain.values():
-            sums[0] *= self.decay
-            sums[1] *= self.decay
+        self.tick()
         if seconds <= 0 or base_cost <= 0:
             return
         bucket = _unit_bucket(num_base_tokens)
@@ -83,6 +80,14 @@ class RealizedGain:
         sums[0] += max(realized, -1.0)
         sums[1] += predicted_gain
         sums[2] = 0.8 * sums[2] + 0.2 * predicted_gain
+
+    def tick(self) -> None:
+        """A step went by (observed, or run without the proposer): the gain sums decay, so a low
+        trust drifts back to 1 even while nothing drafts."""
+        self.num_steps += 1
+        for sums in self._gain.values():
+            sums[0] *= self.decay
+            sums[1] *= self.decay
 
     def wants_probe(self, num_base_tokens: int) -> bool:
         """Should the next step over such a batch run without drafts? Yes after two drafting steps

@@ -16,6 +16,7 @@ import torch
 from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from specserve.engine.request import Request
 from specserve.spec.adaptive import AdaptiveK, sampled_slots
+from specserve.spec.proposer import idle_policy
 
 
 def find_ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarray, int]:
@@ -135,6 +136,12 @@ class NgramProposer:
         for r in drafts:
             self._match_len[r] = keys[r]
         return drafts
+
+    def idle(self, sched: SchedulerOutput) -> bool:
+        return idle_policy(self.policy, sched)
+
+    def skip(self, sched: SchedulerOutput) -> None:
+        self.policy.guard.tick()  # contexts catch up from the requests' tokens at the next lookup
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         return None
