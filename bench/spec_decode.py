@@ -219,7 +219,7 @@ def main() -> int:
     ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")
     ap.add_argument("--simulated-acceptance", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=4,
+    ap.add_argument("--repeats", type=int, default=3,
                     help="runs of each speculative setup per level below c=32, each between two baseline runs")
     ap.add_argument("--repeats-large", type=int, default=2, help="the same from c=32 (longer runs)")
     ap.add_argument("--kv-cache-memory", type=int, default=2 << 30)
