@@ -268,6 +268,9 @@ def main() -> int:
                     # with the engine's own proposer: a draft model must see (write KV for) the prompts
                     llm.engine.runner.proposer = llm.engine.proposer
                     llm.generate([{"prompt_token_ids": p} for p in level_prompts], SamplingParams(max_tokens=1))
+                if args.device != "cpu":  # untimed: compile kernels / warm caches for this level's shapes
+                    for s in setups:
+                        s.run(level_prompts, c, params)
                 row = rows.setdefault((dataset, c), {"dataset": dataset, "concurrency": c})
                 repeats = repeats_for(args, c)
                 runs: dict[str, list[dict]] = {s.name: [] for s in setups}
