@@ -125,3 +125,18 @@ def test_probe_keeps_the_plain_time_fresh(clock):
     drafted = run_steps(policy, clock, 200, lambda b, d: 0.07 * costs(b + d), 1.0, num_reqs=1)
     plain = sum(d == 0 for d in drafted[10:])
     assert 1 <= plain <= 190 // policy.guard.max_age + 2
+
+
+def test_the_ngram_proposer_reports_its_steps(tiny_llama_dir):
+    """Served with adaptive n-gram speculation, every step reaches the guard: plain steps set the
+    reference times that drafting steps are judged against."""
+    from specserve import LLM, SamplingParams
+    from tests.spec.conftest import spec_prompts
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "compute_bound_tokens": 64})
+    llm.generate([{"prompt_token_ids": p} for p in spec_prompts(4)],
+                 SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    guard = llm.engine.proposer.policy.guard
+    assert guard.num_steps >= 16 // (1 + 3)  # at least one step per 1 + k tokens
+    assert guard._unit  # plain steps were timed
