@@ -63,12 +63,9 @@ class HostStaging:
         once `last_event` has completed."""
         sizes = [t.numel() for t in tensors]
         slot = self._buffer(tensors[0].dtype, sum(sizes))
-        out, offset = [], 0
-        for t, n in zip(tensors, sizes):
-            view = slot[0][offset:offset + n]
+        out = _views(slot[0], sizes)
+        for t, view in zip(tensors, out):
             view.copy_(t, non_blocking=True)
-            out.append(view)
-            offset += n
         self._copied(slot)
         return out
 
@@ -87,11 +84,16 @@ class HostStaging:
                 offset += n
             flat = slot[0][:total].to(self.device, non_blocking=True)
             self._copied(slot)
-        out, offset = [], 0
-        for n in sizes:
-            out.append(flat[offset:offset + n])
-            offset += n
-        return out
+        return _views(flat, sizes)
+
+
+def _views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Consecutive 1-D views of `flat` with the given sizes."""
+    out, offset = [], 0
+    for n in sizes:
+        out.append(flat[offset:offset + n])
+        offset += n
+    return out
 
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
@@ -122,13 +124,9 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
     block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
     for i, t in enumerate(tables):
         block_tables[i, :len(t)] = t
-    if num_tokens == num_reqs:  # one token each (decodes): no per-token gather needed
-        positions = s_lens - 1
-        slots = block_tables[np.arange(num_reqs), positions // block_size] * block_size + positions % block_size
-    else:
-        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-        positions = np.arange(num_tokens) - (cu[:-1] - s_lens + q_lens)[req_of_token]
-        slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+    positions = np.arange(num_tokens) - (cu[:-1] - s_lens + q_lens)[req_of_token]
+    slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
     long_parts = staging.to_device([positions, slots, *extra_int64], torch.int64)
     cu_d, s_lens_d, bt_d = staging.to_device([cu, s_lens, block_tables.ravel()], torch.int32)
     meta = AttentionMetadata(

@@ -132,11 +132,17 @@ class Scheduler:
         room = self.config.max_model_len - num_computed
         return max(num_new, min(num_new + self.num_lookahead_tokens, room))
 
+    def _room(self, request: Request) -> int:
+        """Tokens the request may still produce after those known and in flight (max_tokens,
+        max_model_len)."""
+        room = self.config.max_model_len - request.num_tokens - request.num_pending
+        if request.sampling_params.max_tokens is not None:
+            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - request.num_pending)
+        return room
+
     def _ends_by_length(self, request: Request) -> bool:
         """Will the request's in-flight tokens reach max_tokens / max_model_len?"""
-        max_tokens = request.sampling_params.max_tokens
-        return ((max_tokens is not None and request.num_output_tokens + request.num_pending >= max_tokens)
-                or request.num_tokens + request.num_pending >= self.config.max_model_len)
+        return self._room(request) <= 0
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         end = request.num_computed_tokens + num_new
@@ -265,10 +271,7 @@ class Scheduler:
 
     def _max_drafts(self, request: Request) -> int:
         """Never draft past max_tokens or max_model_len."""
-        room = self.config.max_model_len - request.num_tokens
-        if request.sampling_params.max_tokens is not None:
-            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens)
-        return max(0, room - 1)
+        return max(0, self._room(request) - 1)
 
     def abort(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:

@@ -222,6 +222,14 @@ def sampled_slots(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOut
     return slots, num_base
 
 
+def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
+    """`Proposer.idle` for proposers driven by the policy: after this step (which verifies no drafts)
+    no draft could pay off at this batch size, whatever it samples (the policy's cheap test)."""
+    num_sampled = sum(1 for s in sched.scheduled if s.sample)
+    num_base = sum(1 if s.sample else s.num_tokens for s in sched.scheduled)  # as in sampled_slots
+    return num_sampled == 0 or not policy.worth_trying(num_sampled, num_base)
+
+
 def plan_step(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput, max_model_len: int,
               max_num_batched_tokens: int) -> list[DraftSlot]:
     """Record this step's verifications in `policy`, then give each sampled request its k."""

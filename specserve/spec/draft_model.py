@@ -35,8 +35,7 @@ from specserve.engine.model_runner import batch_metadata
 from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import draw, probs_for
-from specserve.spec.adaptive import AdaptiveK, DraftSlot, plan_step
-from specserve.spec.proposer import idle_policy
+from specserve.spec.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step
 
 logger = logging.getLogger(__name__)
 
@@ -87,18 +86,25 @@ class DraftModelProposer:
             self._stale[dst] = self._stale[src]
 
     def idle(self, sched: SchedulerOutput) -> bool:
-        return idle_policy(self.policy, sched)
+        return nothing_to_draft(self.policy, sched)
 
     def skip(self, sched: SchedulerOutput) -> None:
         """Like a step where every request gets k = 0: the draft falls behind, the blocks the target
         wrote are stale for it. (No drafts were verified: the target computed [start, start + n).)"""
         for s in sched.scheduled:
-            verified = s.start + s.num_tokens
-            done = self._computed.get(s.request.request_id)
-            done = min(self._trusted_prefix(s) if done is None else done, verified)
-            self._computed[s.request.request_id] = done
-            self._mark(s.block_ids, done, verified, stale=True)
+            self._fall_behind(s, s.start + s.num_tokens)
         self.policy.guard.tick()
+
+    def _done(self, s: ScheduledRequest, verified: int) -> int:
+        """Positions whose draft KV is valid, up to the target's verified end."""
+        done = self._computed.get(s.request.request_id)
+        return min(self._trusted_prefix(s) if done is None else done, verified)
+
+    def _fall_behind(self, s: ScheduledRequest, verified: int) -> None:
+        """The draft does not run for this request this step: the blocks the target wrote are stale."""
+        done = self._done(s, verified)
+        self._computed[s.request.request_id] = done
+        self._mark(s.block_ids, done, verified, stale=True)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         assert req_id in self._probs, f"{req_id} has drafts the draft model did not propose"
@@ -117,15 +123,10 @@ class DraftModelProposer:
         for s in sched.scheduled:
             slot = slots.get(s.request.request_id)
             verified = s.request.num_tokens + len(slot.new_ids) - 1 if slot else s.start + s.num_tokens
-            done = self._computed.get(s.request.request_id)
-            if done is None:
-                done = self._trusted_prefix(s)
-            done = min(done, verified)
-            if not run:  # falling behind: blocks the target wrote without the draft are stale
-                self._computed[s.request.request_id] = done
-                self._mark(s.block_ids, done, verified, stale=True)
+            if not run:
+                self._fall_behind(s, verified)
             else:
-                segments.append((s, done, verified, slot))
+                segments.append((s, self._done(s, verified), verified, slot))
         if not run:
             return {}
         drafts = self._run(runner, segments)

@@ -15,8 +15,7 @@ import torch
 
 from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from specserve.engine.request import Request
-from specserve.spec.adaptive import AdaptiveK, sampled_slots
-from specserve.spec.proposer import idle_policy
+from specserve.spec.adaptive import AdaptiveK, nothing_to_draft, sampled_slots
 
 
 def find_ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarray, int]:
@@ -138,7 +137,7 @@ class NgramProposer:
         return drafts
 
     def idle(self, sched: SchedulerOutput) -> bool:
-        return idle_policy(self.policy, sched)
+        return nothing_to_draft(self.policy, sched)
 
     def skip(self, sched: SchedulerOutput) -> None:
         self.policy.guard.tick()  # contexts catch up from the requests' tokens at the next lookup

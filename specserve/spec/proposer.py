@@ -54,11 +54,3 @@ class Proposer(Protocol):
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         """[num_drafts, vocab] probabilities the request's current drafts were sampled from;
         None = the drafts are deterministic (q is one-hot on each draft token)."""
-
-
-def idle_policy(policy, sched: SchedulerOutput) -> bool:
-    """`Proposer.idle` for proposers driven by adaptive k: a step without drafts to verify after which
-    no draft could pay off at this batch size (the policy's cheap test, before any lookup)."""
-    num_sampled = sum(1 for s in sched.scheduled if s.sample)
-    num_base = sum(1 if s.sample else s.num_tokens for s in sched.scheduled)
-    return num_sampled == 0 or not policy.worth_trying(num_sampled, num_base)
