@@ -21,6 +21,40 @@ TINY_SHAPES = {
 }
 
 
+def machine_report() -> list[str]:
+    """The CPU kind, what dtype `auto` picks on it, and which bitsandbytes CPU path it takes."""
+    from specserve.models.loader import cpu_has_fast_bf16
+
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    lines = [f"cpu: {model}; flags: {' '.join(f for f in wanted if f in flags) or 'none of ' + ','.join(wanted)}",
+             f"dtype auto on this cpu: {'bfloat16' if cpu_has_fast_bf16() else 'float32'}; "
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads"]
+    try:
+        import bitsandbytes
+        from bitsandbytes.functional import has_avx512bf16
+        lines.append(f"bitsandbytes {bitsandbytes.__version__}: packed AVX512-BF16 4-bit cpu path "
+                     f"{'on' if has_avx512bf16() else 'off'}")
+    except ImportError:
+        lines.append("bitsandbytes: not installed")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Name the machine at the end of every run (also under -q), so a failure says where it came from."""
+    terminalreporter.section("machine", sep="-")
+    for line in machine_report():
+        terminalreporter.write_line(line)
+
+
 def build_tiny_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
     """Save a seeded random fp32 HF model of a tiny shape to `path` (config + safetensors);
     `overrides` change config fields (e.g. num_hidden_layers=1 for a smaller draft)."""

@@ -23,6 +23,10 @@ METHODS = (INT8, NF4)
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 NF4_BLOCKSIZE = 64
 INT8_THRESHOLD = 6.0  # LLM.int8() outlier threshold (HF's default)
+# bitsandbytes' AVX512-BF16 CPU path repacks a 4-bit weight [N, K] on its first forward into tiles of
+# 32 output rows, with one absmax per (row, K-block): it needs N % 32 == 0 and K % blocksize == 0, and
+# fails on other shapes (bitsandbytes 0.50: "shape '[64, 1]' is invalid for input of size 96").
+CPU_PACKED_BLOCK_N = 32
 
 
 def require_bitsandbytes():
@@ -92,6 +96,11 @@ def dequantize_weight(module: nn.Module) -> torch.Tensor:
     return module.weight.data
 
 
+def cpu_packed_layout_fits(out_features: int, in_features: int, blocksize: int = NF4_BLOCKSIZE) -> bool:
+    """Whether bitsandbytes' packed AVX512-BF16 CPU layout can hold a 4-bit weight of this shape."""
+    return out_features % CPU_PACKED_BLOCK_N == 0 and in_features % blocksize == 0
+
+
 def quantize_linear(linear: nn.Module, method: str, device: torch.device, dtype: torch.dtype,
                     double_quant: bool = True) -> nn.Module:
     """A bitsandbytes copy of `linear` (plain or already quantized) on `device`; `linear` is untouched."""
@@ -116,6 +125,9 @@ def quantize_linear(linear: nn.Module, method: str, device: torch.device, dtype:
                                      compress_statistics=double_quant, quant_type="nf4", module=q,
                                      bnb_quantized=True)
         q.quant_state = state
+        # the packed path where its layout holds the weight, bnb's plain 4-bit path elsewhere
+        q.support_avx512bf16_for_cpu = (getattr(q, "support_avx512bf16_for_cpu", False)
+                                        and cpu_packed_layout_fits(out_features, in_features))
     if has_bias:
         q.bias = nn.Parameter(linear.bias.data.to(device=device, dtype=dtype), requires_grad=False)
     return q.eval()
