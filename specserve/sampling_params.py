@@ -1,9 +1,12 @@
 """Per-request sampling parameters (vLLM's names and defaults)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 GREEDY_EPS = 1e-5
+# seeds are 64-bit signed integers (vLLM's range); child i of an n > 1 request draws with seed + i
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass
@@ -36,6 +39,12 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "repetition_penalty": self.repetition_penalty}
+        for name, value in floats.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         checks = [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
@@ -53,7 +62,10 @@ class SamplingParams:
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
-            (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            (self.seed is None or (isinstance(self.seed, int) and MIN_SEED <= self.seed <= MAX_SEED),
+             f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}"),
+            (self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+             "cache_salt must be a non-empty string (leave it out for the shared cache)"),
         ]
         for ok, message in checks:
             if not ok:

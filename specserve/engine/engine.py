@@ -65,6 +65,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         mc = config.model
         t0 = time.perf_counter()
         model_path = mc.model

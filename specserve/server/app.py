@@ -25,7 +25,7 @@ from starlette.staticfiles import StaticFiles
 from specserve import __version__
 from specserve.server.metrics import CONTENT_TYPE
 from specserve.server.openai import openai_routes
-from specserve.server.security import ApiKeyMiddleware, error_body
+from specserve.server.security import ApiKeyMiddleware, TrustedHostMiddleware, error_body
 from specserve.server.settings import ServerSettings
 from specserve.server.state import EngineFactory, ServerState
 from specserve.server.ws import websocket_endpoint
@@ -109,9 +109,10 @@ def build_app(engine_factory: EngineFactory, settings: ServerSettings | None = N
     static = web_dir()
     if static.is_dir():
         routes.append(Mount("/static", StaticFiles(directory=static), name="static"))
-    middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)]
+    middleware = [Middleware(TrustedHostMiddleware, host_names=settings.host_names),
+                  Middleware(ApiKeyMiddleware, api_key=settings.api_key)]
     if settings.allowed_origins:
-        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+        middleware.insert(1, Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                                         allow_methods=["GET", "POST"],
                                         allow_headers=["authorization", "content-type"]))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,

@@ -42,7 +42,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* and the socket")
     g.add_argument("--allowed-origins", default=None,
                    help="comma-separated browser Origins allowed to open the WebSocket besides this "
-                        "server's own (default: localhost origins; '*' = any)")
+                        "server's own pages (those on an allowed host); '*' = any")
+    g.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names answered besides the loopback names and --host "
+                        "(DNS-rebinding protection); '*' = any")
+    g.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="most prompts one completions request may hold (default 256)")
+    g.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="most sequences (prompts x n) one request may hold (default 256)")
     g.add_argument("--max-frame-size", type=_bytes, default=1 << 20,
                    help="largest WebSocket frame / HTTP body accepted, e.g. 1M (default 1 MiB)")
     g.add_argument("--served-model-name", default=None, help="the name clients use in `model`")
@@ -131,6 +138,23 @@ def resolve_serve_args(args: argparse.Namespace, environ: dict[str, str] | None 
     return argparse.Namespace(**values)
 
 
+def _list(value: str | None) -> list[str] | None:
+    """A comma-separated flag value, or a JSON list (vLLM's form, e.g. '["*"]')."""
+    if not value:
+        return None
+    text = value.strip()
+    if text.startswith("["):
+        import json
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a JSON list: {value!r} ({e})") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError(f"expected a JSON list of strings: {value!r}")
+        return [i.strip() for i in items if i.strip()] or None
+    return [v.strip() for v in text.split(",") if v.strip()] or None
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -148,15 +172,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.settings import ServerSettings, model_aliases, served_name_for
 
     args = resolve_serve_args(args)
-    origins = ([o.strip() for o in args.allowed_origins.split(",") if o.strip()]
-               if args.allowed_origins else None)
-    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, allowed_origins=origins,
+    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
+                              allowed_origins=_list(args.allowed_origins), allowed_hosts=_list(args.allowed_hosts),
+                              max_prompts_per_request=args.max_prompts_per_request,
+                              max_sequences_per_request=args.max_sequences_per_request,
                               max_frame_size=args.max_frame_size, served_model_name=args.served_model_name,
                               extra_model_names=model_aliases(args.model))
     config = engine_config_from_args(model=args.model, **engine_kwargs(args))  # bad flags fail here, early
     name = served_name_for(args.model, args.served_model_name)
     if not _is_loopback(settings.host) and settings.api_key is None:
         logger.warning("listening on %s without --api-key: anyone who can reach it can use it", settings.host)
+    if settings.host in ("0.0.0.0", "::") and not settings.allowed_hosts:
+        logger.warning("listening on all interfaces: only loopback Host names are answered; give the "
+                       "names clients use with --allowed-hosts")
 
     failures: list[BaseException] = []
     server: uvicorn.Server | None = None

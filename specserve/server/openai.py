@@ -32,6 +32,7 @@ from specserve.server.openai_protocol import (
 from specserve.server.protocol import format_validation_error
 from specserve.server.state import NotReadyError, ServerState
 from specserve.server.streaming import Delta, PromptError, RequestStream, prepare_prompt
+from specserve.server.validation import InputError, check_request_size, is_json_content_type, parse_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ def _ready(request: Request) -> tuple[ServerState, AsyncEngine]:
 
 
 async def _read_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    if not is_json_content_type(request.headers.get("content-type")):
+        raise OpenAIError(415, "send the body as JSON with 'Content-Type: application/json' (got "
+                          f"{request.headers.get('content-type')!r})", code="unsupported_media_type")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise OpenAIError(413, f"the request body is larger than the server's limit of {limit} bytes")
@@ -66,11 +70,10 @@ async def _read_body(request: Request, model: type[BaseModel], limit: int) -> Ba
         if len(body) > limit:
             raise OpenAIError(413, f"the request body is larger than the server's limit of {limit} bytes")
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise OpenAIError(400, "the request body must be a JSON object")
+        data = parse_json_object(bytes(body))
+    except InputError as e:
+        raise OpenAIError(400, f"the request body is not accepted: {e.message}", code=e.code,
+                          param=e.param) from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -100,7 +103,9 @@ async def completions(request: Request) -> Response:
         req = await _read_body(request, CompletionRequest, state.settings.max_frame_size)
         _check_model(state, req.model)
         params = req.sampling_params()
-        prompt_ids = [_prompt(engine, p, None) for p in req.prompts()]
+        prompts = req.prompts()
+        _check_size(state, len(prompts), params.n)
+        prompt_ids = [_prompt(engine, p, None) for p in prompts]
     except OpenAIError as e:
         return _error_response(e)
     return await _respond(request, state, engine, req, params, prompt_ids, chat=False)
@@ -112,10 +117,19 @@ async def chat_completions(request: Request) -> Response:
         req = await _read_body(request, ChatCompletionRequest, state.settings.max_frame_size)
         _check_model(state, req.model)
         params = req.sampling_params()
+        _check_size(state, 1, params.n)
         prompt_ids = [_prompt(engine, None, [m.as_template_message() for m in req.messages])]
     except OpenAIError as e:
         return _error_response(e)
     return await _respond(request, state, engine, req, params, prompt_ids, chat=True)
+
+
+def _check_size(state: ServerState, num_prompts: int, n: int) -> None:
+    s = state.settings
+    try:
+        check_request_size(num_prompts, n, s.max_prompts_per_request, s.max_sequences_per_request)
+    except InputError as e:
+        raise OpenAIError(400, e.message, code=e.code, param=e.param) from None
 
 
 def _prompt(engine: AsyncEngine, prompt, messages) -> list[int]:

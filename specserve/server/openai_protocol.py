@@ -6,11 +6,26 @@ extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are ac
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.sampling_params import SamplingParams
+from specserve.server.validation import (
+    MAX_STOP_STRINGS,
+    ROLES,
+    CacheSalt,
+    MaxTokens,
+    MinP,
+    NumSamples,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+    template_role,
+)
 
 
 class OpenAIError(Exception):
@@ -35,27 +50,27 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=16)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: NumSamples = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(default=None, max_length=256)
+    cache_salt: CacheSalt | None = None
 
     def _check_common(self) -> None:
         if self.logit_bias:
@@ -63,8 +78,8 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true",
                               param="stream_options")
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise OpenAIError(400, "at most 16 stop sequences", param="stop")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise OpenAIError(400, f"at most {MAX_STOP_STRINGS} stop sequences", param="stop")
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
@@ -86,7 +101,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: MaxTokens | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -121,21 +136,20 @@ class TextPart(BaseModel):
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) else \
             "".join(p.text for p in self.content or [])
-        # chat templates know "system"; OpenAI's newer "developer" role means the same
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return {"role": template_role(self.role), "content": content}
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None

@@ -6,12 +6,25 @@ what the server sends and what `specserve.client` parses. See docs/server.md for
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from specserve.sampling_params import SamplingParams
+from specserve.server.validation import (
+    MAX_STOP_STRINGS,
+    ROLES,
+    CacheSalt,
+    InputError,
+    MaxTokens,
+    MinP,
+    NumSamples,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+    parse_json_object,
+)
 
 
 class _Strict(BaseModel):
@@ -31,7 +44,7 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: str
+    role: Literal[ROLES]
     content: str | list[ContentPart]
 
     def text(self) -> str:
@@ -45,16 +58,16 @@ class ResponseParams(_Strict):
 
     prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
     messages: list[ChatMessage] | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)  # None = up to the context limit
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    max_output_tokens: MaxTokens | None = None  # None = up to the context limit
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=16)
-    cache_salt: str | None = Field(default=None, max_length=256)
+    n: NumSamples = 1
+    cache_salt: CacheSalt | None = None
     metadata: dict[str, str] | None = None
 
     def check(self) -> None:
@@ -62,8 +75,8 @@ class ResponseParams(_Strict):
             raise ValueError("give exactly one of response.prompt and response.messages")
         if self.messages is not None and not self.messages:
             raise ValueError("response.messages is empty")
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise ValueError("at most 16 stop strings")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError with the engine's message on values SamplingParams refuses."""
@@ -109,11 +122,12 @@ class ProtocolError(Exception):
 def parse_client_event(text: str) -> ClientEvent:
     """Decode and validate one client frame, or raise ProtocolError saying what is wrong."""
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise ProtocolError("invalid_json", f"the frame is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ProtocolError("invalid_event", "a frame must be a JSON object with a `type`")
+        data = parse_json_object(text)
+    except InputError as e:
+        code = "invalid_event" if e.message == "expected a JSON object" else e.code
+        message = "a frame must be a JSON object with a `type`" if code == "invalid_event" else \
+            f"the frame is not accepted: {e.message}"
+        raise ProtocolError(code, message) from None
     event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
     kind = data.get("type")
     cls = CLIENT_EVENTS.get(kind) if isinstance(kind, str) else None

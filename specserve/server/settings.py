@@ -9,20 +9,30 @@ DEFAULT_MAX_FRAME_SIZE = 1 << 20  # 1 MiB: far above any sane prompt frame, far 
 # between max_frame_size and that cap are answered with an `error` event and the socket stays open.
 HARD_FRAME_FACTOR = 4
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# One request may not hold more than this many prompts / sequences (prompts x n): a bigger one would
+# occupy the engine for everyone; clients that need more send several requests.
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 
 
 @dataclass
 class ServerSettings:
     """How the server listens and whom it lets in.
 
-    `allowed_origins`: WebSocket Origins accepted besides the server's own host; None = localhost
-    origins only, ["*"] = any. Requests without an Origin header (non-browser clients) are accepted.
+    `allowed_hosts`: Host names answered besides the loopback names and the bound address; ["*"] =
+    any (security.py: DNS rebinding). `allowed_origins`: WebSocket Origins accepted besides those whose
+    host is an allowed host; ["*"] = any. Requests without an Origin header (non-browser clients) are
+    accepted. `max_prompts_per_request` / `max_sequences_per_request` cap one request's prompts and
+    prompts x n (a clear 400 above them).
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     allowed_origins: list[str] | None = None
+    allowed_hosts: list[str] | None = None
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     served_model_name: str | None = None
     extra_model_names: list[str] = field(default_factory=list)  # also accepted in the `model` field
@@ -32,8 +42,16 @@ class ServerSettings:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_frame_size < 1024:
             raise ValueError(f"max_frame_size must be at least 1024 bytes, got {self.max_frame_size}")
+        for name in ("max_prompts_per_request", "max_sequences_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it out to disable authentication)")
+
+    @property
+    def host_names(self) -> frozenset[str]:
+        from specserve.server.security import allowed_host_names
+        return allowed_host_names(self.host, self.allowed_hosts)
 
     @property
     def hard_frame_limit(self) -> int:

@@ -36,6 +36,7 @@ from specserve.server.protocol import (
 from specserve.server.security import api_key_matches, bearer_token, error_body, origin_allowed
 from specserve.server.state import NotReadyError, ServerState
 from specserve.server.streaming import PromptError, RequestStream, prepare_prompt
+from specserve.server.validation import InputError, check_request_size, template_role
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ class _Closed(Exception):
 async def websocket_endpoint(websocket: WebSocket) -> None:
     state: ServerState = websocket.app.state.server
     settings = state.settings
-    if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"),
-                          settings.allowed_origins):
+    server_port = (websocket.scope.get("server") or (None, None))[1]
+    if not origin_allowed(websocket.headers.get("origin"), settings.host_names, settings.allowed_origins,
+                          server_port):
         logger.warning("refused a WebSocket from origin %r", websocket.headers.get("origin"))
         await _deny(websocket, 403, "this Origin is not allowed (see --allowed-origins)",
                     "origin_not_allowed")
@@ -191,11 +193,14 @@ class Session:
         if len(self.tasks) >= MAX_RESPONSES_PER_SOCKET:
             raise ProtocolError("too_many_responses", f"at most {MAX_RESPONSES_PER_SOCKET} responses may "
                                 "run at once on one socket", event.event_id)
+        s = self.state.settings
         try:
+            check_request_size(1, r.n, s.max_prompts_per_request, s.max_sequences_per_request)
             params = r.sampling_params()
-            messages = [{"role": m.role, "content": m.text()} for m in r.messages] if r.messages else None
+            messages = ([{"role": template_role(m.role), "content": m.text()} for m in r.messages]
+                        if r.messages else None)
             prompt_ids = prepare_prompt(engine.engine, r.prompt, messages)
-        except PromptError as e:
+        except (PromptError, InputError) as e:
             raise ProtocolError(e.code, str(e), event.event_id) from None
         except ValueError as e:
             raise ProtocolError("invalid_parameter", str(e), event.event_id) from None

@@ -10,7 +10,7 @@ import websockets
 from websockets.exceptions import InvalidStatus
 
 from specserve.client import Client, SpecserveError
-from specserve.server.security import origin_allowed
+from specserve.server.security import allowed_host_names, host_allowed, origin_allowed
 from tests.server.conftest import TINY_ENGINE
 from tests.server.harness import ServerThread, engine_factory
 
@@ -107,11 +107,68 @@ def test_websocket_origins(keyed_server):
 
 def test_origin_rules():
     allowed = ["https://chat.example.com"]
-    assert origin_allowed(None, "h:1", None)  # non-browser clients send no Origin
-    assert origin_allowed("http://h:1", "h:1", allowed)  # same host always
-    assert origin_allowed("https://chat.example.com", "h:1", allowed)
+    hosts = allowed_host_names("127.0.0.1", ["h"])
+    assert origin_allowed(None, hosts, None)  # non-browser clients send no Origin
+    assert origin_allowed("http://h:1", hosts, allowed, server_port=1)  # the server's own pages
+    assert not origin_allowed("http://h:2", hosts, allowed, server_port=1)  # another port is another site
+    assert origin_allowed("https://chat.example.com", hosts, allowed, server_port=1)
     # a list replaces the localhost default
-    assert not origin_allowed("http://localhost:3000", "h:1", allowed)
-    assert origin_allowed("http://localhost:3000", "h:1", None)
-    assert origin_allowed("https://anything.example", "h:1", ["*"])
-    assert not origin_allowed("https://chat.example.com.evil.io", "h:1", allowed)
+    assert not origin_allowed("http://localhost:3000", hosts, allowed, server_port=1)
+    assert origin_allowed("http://localhost:3000", hosts, None, server_port=1)
+    assert origin_allowed("https://anything.example", hosts, ["*"])
+    assert not origin_allowed("https://chat.example.com.evil.io", hosts, allowed)
+    # a rebinding page's own name is not the server's, whatever Host header it sends
+    assert not origin_allowed("http://rebind.attacker.example:1", hosts, None, server_port=1)
+
+
+def test_host_rules():
+    hosts = allowed_host_names("127.0.0.1")
+    for ok in ("127.0.0.1:8000", "localhost:8000", "localhost", "[::1]:8000", None):
+        assert host_allowed(ok, hosts), ok
+    for bad in ("rebind.attacker.example:8000", "127.0.0.1.nip.io:8000", "", "evil"):
+        assert not host_allowed(bad or "x", hosts), bad
+    assert host_allowed("chat.internal:8000", allowed_host_names("0.0.0.0", ["chat.internal"]))
+    assert host_allowed("10.1.2.3:8000", allowed_host_names("10.1.2.3"))  # the bound address
+    assert host_allowed("anything:1", allowed_host_names("127.0.0.1", ["*"]))
+
+
+def _rebinding_attempts(server: ServerThread, headers: dict[str, str]) -> tuple[int, int, int]:
+    """HTTP and WebSocket requests from a page whose name rebinds to 127.0.0.1: the page's name is in
+    Host (and Origin), as a browser would send it."""
+    name = f"rebind.attacker.example:{server.port}"
+    http = httpx.post(server.http + "/v1/completions", json={"prompt": [5], "max_tokens": 1},
+                      headers={"Host": name, **headers})
+    models = httpx.get(server.http + "/v1/models", headers={"Host": name, **headers})
+
+    async def socket() -> int:
+        try:
+            # the URI names the page's host (so Host says it); the connection goes to 127.0.0.1
+            async with websockets.connect(f"ws://{name}/v1/ws", host="127.0.0.1", port=server.port,
+                                          origin=f"http://{name}", additional_headers=headers) as ws:
+                await ws.recv()
+                return 101
+        except InvalidStatus as e:
+            return e.response.status_code
+
+    return http.status_code, models.status_code, asyncio.run(socket())
+
+
+def test_dns_rebinding_is_refused_with_and_without_a_key(keyed_server, tiny_chat_dir):
+    assert _rebinding_attempts(keyed_server, {"Authorization": f"Bearer {KEY}"}) == (400, 400, 400)
+    keyless = ServerThread(engine_factory(tiny_chat_dir, **TINY_ENGINE), "tiny")
+    try:
+        assert _rebinding_attempts(keyless, {}) == (400, 400, 400)
+        body = httpx.get(keyless.http + "/v1/models", headers={"Host": "rebind.attacker.example"}).json()
+        assert body["error"]["code"] == "host_not_allowed"
+        # the same requests under the server's own name go through
+        ok = httpx.post(keyless.http + "/v1/completions", json={"prompt": [5], "max_tokens": 1})
+        assert ok.status_code == 200
+    finally:
+        keyless.stop()
+    opened = ServerThread(engine_factory(tiny_chat_dir, **TINY_ENGINE), "tiny",
+                          allowed_hosts=["rebind.attacker.example"])
+    try:  # --allowed-hosts lets a name in (the operator's choice); its pages are then the server's own
+        status = _rebinding_attempts(opened, {})
+        assert status == (200, 200, 101)
+    finally:
+        opened.stop()
