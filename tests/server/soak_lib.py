@@ -574,7 +574,10 @@ async def phase_fault(server: ServerThread, num_others: int = 6, max_tokens: int
                        sse_stream(client, server.http, spec, "poison", rng, False) if kind == "sse" else
                        http_request(client, server.http, spec, "poison", False))
                 poisoned[kind] = await bad
-                outcomes += await asyncio.gather(*runs)
+                round_outcomes = await asyncio.gather(*runs)
+                outcomes += round_outcomes
+                result.problems += [f"round {kind} (the faulted request on {kind}): {p}"
+                                    for p in check_outcomes(round_outcomes)]
             await conn.close()
     want = {"ws": "failed", "sse": "error chunk", "http": "http 500"}
     for kind, o in poisoned.items():
@@ -583,7 +586,6 @@ async def phase_fault(server: ServerThread, num_others: int = 6, max_tokens: int
                                    f"{o.error[:200]}")
     if fault.num_raised == 0:
         result.problems.append("the fault never fired (the poisoned request was never scheduled)")
-    result.problems += check_outcomes(outcomes)
     server_problems, _ = check_server(server)
     result.problems += server_problems
     result.counts = count_outcomes(outcomes + list(poisoned.values()))
