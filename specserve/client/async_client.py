@@ -7,7 +7,9 @@
         print(stream.done.usage)
 
 One reader task routes server events to their response streams; a server `error` event for a
-request raises `SpecserveError` from `create()` or from the stream's iteration.
+request raises `SpecserveError` from `create()` or from the stream's iteration. When the connection
+ends, every pending wait (`create()`, a stream's next event) fails at once with `connection_closed`.
+Every wait may be cancelled without losing events: a stream keeps what it has not handed out.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import asyncio
 import itertools
 import json
 import logging
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,13 +50,17 @@ class AsyncResponseStream:
         self.id = response_id
         self.done: DoneResponse | None = None
         self._client = client
-        self._queue: asyncio.Queue[StreamEvent | SpecserveError] = asyncio.Queue()
+        # a deque and an Event rather than an asyncio.Queue under wait_for: a cancelled __anext__
+        # (Ctrl-C in the sync client) then never takes an event it does not return
+        self._items: deque[StreamEvent | SpecserveError] = deque()
+        self._ready = asyncio.Event()
         self._read_timeout = read_timeout
         self._texts: dict[int, list[str]] = {}
         self._finished = False
 
     def _push(self, item: StreamEvent | SpecserveError) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> AsyncResponseStream:
         return self
@@ -61,11 +68,15 @@ class AsyncResponseStream:
     async def __anext__(self) -> StreamEvent:
         if self._finished:
             raise StopAsyncIteration
-        try:
-            item = await asyncio.wait_for(self._queue.get(), self._read_timeout)
-        except asyncio.TimeoutError:
-            raise SpecserveError("timeout", f"no event for response {self.id} within {self._read_timeout}s",
-                                 response_id=self.id) from None
+        if not self._items:
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), self._read_timeout)
+            except asyncio.TimeoutError:
+                if not self._items:
+                    raise SpecserveError("timeout", f"no event for response {self.id} within "
+                                         f"{self._read_timeout}s", response_id=self.id) from None
+        item = self._items.popleft()
         if isinstance(item, SpecserveError):
             self._finished = True
             self._client._forget(self.id)
@@ -92,9 +103,18 @@ class AsyncResponseStream:
         return ["".join(self._texts[i]) for i in sorted(self._texts)]
 
     async def cancel(self) -> None:
-        """Ask the server to stop; the stream then ends with a `cancelled` ResponseDone."""
+        """Ask the server to stop; the stream then ends with the server's `cancelled` ResponseDone
+        (its usage counts what was generated). To stop without waiting for it, use `close()`."""
         if not self._finished:
             await self._client._send({"type": "response.cancel", "response_id": self.id})
+
+    def close(self) -> None:
+        """End the stream here and now: iteration stops, later events are dropped, `done` stays as it
+        is, and a `response.cancel` goes to the server in the background if the response still runs."""
+        if not self._finished:
+            self._finished = True
+            self._client._forget(self.id)
+            self._client._cancel_soon(self.id)
 
     async def final(self) -> DoneResponse:
         """Read to the end; raises SpecserveError if the response failed."""
@@ -114,10 +134,7 @@ class AsyncResponseStream:
         if not self._finished:  # left early: stop the server's work, drop what still comes
             self._finished = True
             self._client._forget(self.id)
-            try:
-                await self._client._send({"type": "response.cancel", "response_id": self.id})
-            except SpecserveError:
-                pass
+            await self._client._cancel_quietly(self.id)
 
 
 class AsyncClient:
@@ -141,6 +158,8 @@ class AsyncClient:
         self._streams: dict[str, AsyncResponseStream] = {}
         self._ids = itertools.count(1)
         self._closed_error: SpecserveError | None = None
+        self._closing = False  # close() was called: the end of the connection is ours
+        self._background: set[asyncio.Task] = set()
 
     # -- connection ------------------------------------------------------------------------------
     async def connect(self) -> AsyncClient:
@@ -175,10 +194,22 @@ class AsyncClient:
         return self
 
     async def close(self) -> None:
+        self._closing = True
         if self._ws is not None:
             await self._ws.close()
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
+
+    @property
+    def closed_error(self) -> SpecserveError | None:
+        """Why the connection ended (a `connection_closed` error); None while it is open."""
+        return self._closed_error
+
+    async def wait_closed(self) -> SpecserveError | None:
+        """Wait until the connection ends, whichever side ended it; returns `closed_error`."""
+        if self._reader is not None:
+            await asyncio.wait([self._reader])
+        return self._closed_error
 
     async def __aenter__(self) -> AsyncClient:
         return await self.connect()
@@ -211,6 +242,10 @@ class AsyncClient:
         except asyncio.TimeoutError:
             raise SpecserveError("timeout", f"the server did not accept the request within "
                                  f"{self.read_timeout}s", event_id=event_id) from None
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().close()  # accepted, but nobody will read it: stop it on the server
+            raise
         finally:
             self._pending.pop(event_id, None)
 
@@ -237,11 +272,16 @@ class AsyncClient:
         except SpecserveError:
             pass  # the socket is gone: the server cancels everything of it anyway
 
+    def _cancel_soon(self, response_id: str) -> None:
+        task = asyncio.ensure_future(self._cancel_quietly(response_id))
+        self._background.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._background.discard)
+
     def _forget(self, response_id: str) -> None:
         self._streams.pop(response_id, None)
 
     async def _read(self) -> None:
-        reason = "the server closed the connection"
+        detail = ""
         try:
             async for raw in self._ws:
                 try:
@@ -250,9 +290,16 @@ class AsyncClient:
                     logger.warning("ignoring a malformed server event: %s", e)
                     continue
                 self._dispatch(event)
-        except ConnectionClosed as e:
-            reason = f"the connection closed: {e}"
+        except ConnectionClosed as e:  # e.g. the server process died: "no close frame received or sent"
+            detail = f" ({e})"
         finally:
+            if self._closing:
+                reason = "the client closed the connection"
+            else:
+                code, why = self._ws.close_code, self._ws.close_reason
+                if not detail and code is not None:
+                    detail = f" (code {code}: {why})" if why else f" (code {code})"
+                reason = f"the server closed the connection{detail}"
             self._fail_all(SpecserveError("connection_closed", reason))
 
     def _dispatch(self, event) -> None:
@@ -260,7 +307,7 @@ class AsyncClient:
             stream = AsyncResponseStream(self, event.response.id, self.read_timeout)
             future = self._pending.get(event.event_id or "")
             if future is None or future.done():  # nobody waits: cancel what we would never read
-                asyncio.ensure_future(self._cancel_quietly(event.response.id))
+                self._cancel_soon(event.response.id)
                 return
             self._streams[stream.id] = stream
             future.set_result(stream)

@@ -100,6 +100,80 @@ def test_read_timeout_when_the_server_goes_quiet():
     assert err.code == "timeout" and 0.15 < waited < 5
 
 
+def _scripted_server(script):
+    """A websockets server in a thread that runs `script(ws, event_id)` for each response.create."""
+    import threading
+
+    from websockets.asyncio.server import serve
+
+    from specserve.server.protocol import SessionCreated
+
+    async def handler(ws):
+        await ws.send(SessionCreated(session_id="s", model="m", max_model_len=8, max_frame_size=1024,
+                                     version="0").model_dump_json())
+        async for raw in ws:
+            event = json.loads(raw)
+            if event["type"] == "response.create":
+                await script(ws, event["event_id"])
+
+    ready, box = threading.Event(), {}
+
+    def run():
+        async def main():
+            async with serve(handler, "127.0.0.1", 0) as server:
+                box["port"] = server.sockets[0].getsockname()[1]
+                ready.set()
+                await asyncio.Future()
+        asyncio.run(main())
+
+    threading.Thread(target=run, daemon=True).start()
+    assert ready.wait(10)
+    return f"ws://127.0.0.1:{box['port']}"
+
+
+def test_sync_client_interrupted_wait_loses_no_event_and_a_dropped_socket_fails_waits_at_once():
+    import _thread
+    import threading
+
+    from specserve.server.protocol import DoneResponse, ResponseCreated, ResponseInfo, Usage
+
+    num_created = 0
+
+    async def script(ws, event_id):
+        nonlocal num_created
+        num_created += 1
+        rid = f"r{num_created}"
+        await ws.send(ResponseCreated(event_id=event_id, response=ResponseInfo(id=rid)).model_dump_json())
+        await asyncio.sleep(0.6)
+        await ws.send(OutputTextDelta(response_id=rid, delta="late", token_ids=[5]).model_dump_json())
+        if num_created == 1:
+            usage = Usage(input_tokens=1, output_tokens=1, cached_tokens=0)
+            await ws.send(ResponseDone(response=DoneResponse(id=rid, status="completed", usage=usage))
+                          .model_dump_json())
+        else:
+            await asyncio.sleep(0.3)
+            ws.transport.abort()  # the server "dies" mid-stream: no close frame
+
+    with Client(_scripted_server(script)) as client:
+        stream = client.create("hi")
+        threading.Timer(0.1, _thread.interrupt_main).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            next(stream)  # Ctrl-C while waiting: the wait (and its coroutine) stops at once
+        assert time.monotonic() - t0 < 0.5
+        events = list(stream)  # the interrupted read took nothing: every event is still here
+        assert [type(e) for e in events] == [OutputTextDelta, ResponseDone] and stream.text == "late"
+
+        stream = client.create("again")
+        next(stream)
+        t0 = time.monotonic()
+        with pytest.raises(SpecserveError) as err:
+            list(stream)
+        assert time.monotonic() - t0 < 3 and err.value.code == "connection_closed"
+        assert "the server closed the connection" in err.value.message
+        assert client.wait_closed(timeout=5) is not None
+
+
 def test_chat_repl(tiny_server):
     import subprocess
     import sys
