@@ -53,6 +53,7 @@ class LLM:
         from tqdm import tqdm
 
         done: dict[str, RequestOutput] = {}
+        failed: dict[str, str] = {}  # the engine ended these: steps with them raised
         bar = tqdm(total=len(ids), desc="Generating", disable=not (use_tqdm and sys.stderr.isatty()))
         try:
             while self.engine.has_unfinished():
@@ -60,10 +61,15 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
+                failed.update(self.engine.take_failures())
         except BaseException:
             for req_id in ids:
                 self.engine.abort(req_id)
             raise
         finally:
             bar.close()
+        if failed:
+            req_id, why = next(iter(failed.items()))
+            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed (the others completed); "
+                               f"request {req_id}: {why}")
         return [done[i] for i in ids]

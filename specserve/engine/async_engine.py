@@ -24,6 +24,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """Engine steps failed with this request in them (the others went on)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | EngineConfig) -> None:
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
@@ -39,11 +43,13 @@ class AsyncEngine:
 
     # -- caller side (asyncio) -------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative RequestOutputs until finished. Raises ValueError on bad input at once."""
+                       request_id: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative RequestOutputs until finished. Raises ValueError on bad input at once,
+        RequestFailedError if engine steps failed with this request. `owner` (a client request or
+        socket) is the unit the scheduler shares sequence slots fairly between."""
         if self._stopped:
             raise EngineDeadError("the engine is stopped")
-        group = self.engine.make_requests(request_id, prompt, params)
+        group = self.engine.make_requests(request_id, prompt, params, owner=owner)
         req_id = group.request_id
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
@@ -112,8 +118,8 @@ class AsyncEngine:
                 self._stats = engine.stats()
                 continue
             try:
-                outputs = engine.step()
-            except Exception as e:  # a failed step fails its requests, not the server
+                outputs = engine.step()  # a step that raises is isolated inside: see isolation.py
+            except Exception as e:  # the isolation itself broke: fail everything, keep serving
                 logger.exception("engine step failed")
                 for req_id in list(engine.groups):
                     engine.abort(req_id)
@@ -124,6 +130,8 @@ class AsyncEngine:
             self._stats = engine.stats()
             for out in outputs:
                 self._deliver(out.request_id, out)
+            for req_id, why in engine.take_failures().items():
+                self._deliver(req_id, RequestFailedError(f"the engine failed this request: {why}"))
         with self._cond:
             streams = list(self._streams)
         for req_id in streams:

@@ -14,6 +14,7 @@ import torch
 from specserve.cache.kv_cache_manager import KVCacheManager
 from specserve.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.isolation import StepIsolation
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.engine.request import Request, RequestStatus
@@ -150,6 +151,9 @@ class LLMEngine:
         self._inflight = None  # a launched step whose sampled tokens are still on the device
         self._touched: dict[str, _Group] = {}  # groups with news since the last step() returned
         self.num_deferred_steps = 0  # steps left in flight by async scheduling
+        self.isolation = StepIsolation(self)
+        self._step_req_ids: set[str] | None = None
+        self._step_sampled: set[str] = set()
         logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, attention %s",
                     num_blocks, cc.block_size, format_bytes(self.kv_cache_bytes), max_len, backend.name)
 
@@ -204,8 +208,8 @@ class LLMEngine:
             raise ValueError(f"cannot apply the chat template: {e}") from None
 
     def make_requests(self, request_id: str | None, prompt: PromptType,
-                      params: SamplingParams | None = None) -> _Group:
-        """Tokenize and validate (thread-safe, touches no engine state)."""
+                      params: SamplingParams | None = None, owner: str | None = None) -> _Group:
+        """Tokenize and validate (thread-safe, touches no engine state). `owner`: see Scheduler."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         text, ids = self.tokenize(prompt)
@@ -219,7 +223,8 @@ class LLMEngine:
             child_params = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, list(ids), child_params, self.eos_token_ids, prompt=text))
+            children.append(Request(child_id, list(ids), child_params, self.eos_token_ids, prompt=text,
+                                    owner=owner))
         # n > 1: only the first child is scheduled; the prompt is prefilled once and the others fork
         # from it at its first sample (same prompt logits, each child's own generator: seed + i)
         children[0].forks = children[1:]
@@ -301,9 +306,29 @@ class LLMEngine:
         With async scheduling a plain decode step is left in flight: the next call schedules and
         launches its successor (whose inputs take the in-flight tokens on the device) before waiting
         for it, so the host's scheduling and bookkeeping overlap the device's work. Its outputs then
-        come one call later, and a request that stops may have computed one extra token, discarded."""
+        come one call later, and a request that stops may have computed one extra token, discarded.
+
+        A step that raises fails no request by itself: see `isolation.py`. Requests found to make
+        steps fail end, and `take_failures()` says which and why."""
+        self._step_req_ids = None
+        try:
+            outputs = self._step(finished_only)
+        except Exception as e:  # noqa: BLE001 - one request's fault must not end the others
+            self.isolation.step_failed(e, self._step_req_ids)
+            return []
+        self.isolation.step_passed(self._step_req_ids, self._step_sampled)
+        return outputs
+
+    def take_failures(self) -> dict[str, str]:
+        """Requests (by id) that the engine ended because steps failed with them, and why; each once."""
+        return self.isolation.take_failures()
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        defer = self.async_scheduling and self._can_defer(sched)
+        inflight = self._inflight.sched.scheduled if self._inflight is not None else []
+        self._step_req_ids = {s.request.request_id for s in (*sched.scheduled, *inflight)}
+        self._step_sampled = {s.request.request_id for s in sched.scheduled if s.sample}
+        defer = self.async_scheduling and not self.scheduler.isolate and self._can_defer(sched)
         if not defer:
             self._drain()  # a step finished here sees every earlier token on the host (proposers need them)
         launched = self.runner.launch(sched, prev=self._inflight, defer=defer)
@@ -422,5 +447,7 @@ class LLMEngine:
             "num_cow_copies": pool.stats.num_cow_copies,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_deferred_steps": self.num_deferred_steps,
+            "num_failed_steps": self.isolation.num_failed_steps,
+            "num_failed_requests": self.isolation.num_failed_requests,
             **self.spec_stats.as_dict(),
         }

@@ -41,6 +41,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     prompt: str | None = None
+    owner: str | None = None  # who sent it (a client request or socket): the scheduler's fair share
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

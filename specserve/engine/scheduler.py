@@ -7,11 +7,20 @@ When a running request cannot get a block, the most recently admitted request is
 blocks are freed (they stay in the prefix cache) and it is recomputed later, with the same output.
 A request with `SamplingParams.n > 1` is prefilled once; at its first sample it forks into its
 children, which share its prompt blocks by reference (copy-on-write, see KVCacheManager.fork).
+
+Fairness between owners (a server sets `Request.owner` to the client request or socket; offline
+requests share one owner): waiting requests are admitted owner with the fewest running requests first,
+arrival order among equals; and when every sequence slot is taken and a request of an owner with none
+running waits, the newest running request of the owner holding the most is preempted to make room.
+So one huge request delays a newcomer's admission by at most a step, never until it ends.
+
+Isolation: while `isolate` holds sets of request ids (the engine's search for a request that makes
+steps fail), only requests of the first set are scheduled.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from specserve.cache.kv_cache_manager import KVCacheManager
@@ -31,6 +40,8 @@ class Scheduler:
         self.num_preemptions = 0
         # KV slots past the scheduled tokens a speculative proposer writes (a draft model's own drafts)
         self.num_lookahead_tokens = 0
+        self.isolate: list[set[str]] = []
+        self._reset_ids: set[str] = set()  # sent back to waiting by `reset`: reported as preempted
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -73,10 +84,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
         now = time.monotonic()
+        allowed = self.isolate[0] if self.isolate else None
+        out.preempted_req_ids |= self._reset_ids
+        self._reset_ids = set()
+        if allowed is None:
+            self._make_room_for_newcomer(out)
+        kv_preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if allowed is not None and request.request_id not in allowed:
+                i += 1
+                continue
             if request.num_pending and self._ends_by_length(request):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
@@ -90,6 +110,7 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.add(victim.request_id)
+                kv_preempted = True
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
@@ -98,9 +119,12 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        running_of = Counter(r.owner for r in self.running)
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and not out.preempted_req_ids):
-            request = self.waiting[0]
+               and not kv_preempted):
+            request = self._next_waiting(running_of, allowed)
+            if request is None:
+                break
             if self.running and len(self.running) + 1 + len(request.forks) > self.config.max_num_seqs:
                 break  # keep room for the children it forks into (SamplingParams.n)
             assert request.num_computed_tokens == 0, "waiting requests hold no KV"
@@ -112,7 +136,8 @@ class Scheduler:
                                           self._with_lookahead(num_hit, num_new), hits):
                 break
             self.kv.record_prefix_lookup(request.num_tokens, num_hit)
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            running_of[request.owner] += 1
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -126,6 +151,49 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         return out
+
+    def _next_waiting(self, running_of: Counter, allowed: set[str] | None) -> Request | None:
+        """The waiting request to admit next: of the owner with the fewest running requests, the
+        earliest (so one owner's backlog never stands in front of another's first request)."""
+        best, best_count = None, None
+        for request in self.waiting:
+            if request.num_pending or (allowed is not None and request.request_id not in allowed):
+                continue  # preempted with a token in flight: admitted once it is known
+            count = running_of[request.owner]
+            if best is None or count < best_count:
+                best, best_count = request, count
+                if count == 0:
+                    break
+        return best
+
+    def _make_room_for_newcomer(self, out: SchedulerOutput) -> None:
+        """All sequence slots taken and an owner with nothing running waits: preempt the newest
+        request of the owner running the most (if that owner runs more than one)."""
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return
+        running_of = Counter(r.owner for r in self.running)
+        if not any(running_of[r.owner] == 0 and not r.num_pending for r in self.waiting):
+            return
+        heavy, count = running_of.most_common(1)[0]
+        if count < 2:
+            return
+        victim = next(r for r in reversed(self.running) if r.owner == heavy)
+        self.running.remove(victim)
+        self._preempt(victim)
+        out.preempted_req_ids.add(victim.request_id)
+
+    def reset(self, req_ids: Iterable[str]) -> None:
+        """Send these requests back to waiting with no KV (recomputed later), dropping a token still in
+        flight: the engine's recovery after a failed step. Keeps arrival order."""
+        ids = set(req_ids)
+        for request in reversed([r for r in self.running if r.request_id in ids]):
+            self.running.remove(request)
+            self._preempt(request)
+        for request in self.waiting:
+            if request.request_id in ids:
+                request.num_pending = 0
+                request.spec_token_ids = []
+                self._reset_ids.add(request.request_id)
 
     def _with_lookahead(self, num_computed: int, num_new: int) -> int:
         """Slots to allocate for `num_new` tokens: plus the proposer's lookahead, within max_model_len."""
@@ -234,6 +302,9 @@ class Scheduler:
             raise ValueError(f"request {source.request_id!r} has no KV for its first {num_tokens} tokens")
         assert child.all_token_ids == source.all_token_ids[:num_tokens] and num_computed <= num_tokens
         self.kv.fork(source.request_id, child.request_id, num_tokens)
+        if self.isolate and source.request_id in self.isolate[0]:
+            self.isolate[0].add(child.request_id)
+        child.owner = source.owner
         self.requests[child.request_id] = child
         child.num_computed_tokens = num_computed
         child.num_cached_tokens = num_computed

@@ -198,7 +198,7 @@ def _usage(streams: list[RequestStream]) -> dict:
 async def _respond(request: Request, state: ServerState, engine: AsyncEngine, req, params,
                    prompt_ids: list[list[int]], chat: bool) -> Response:
     answer = _Answer(state, engine, req, params.n, chat)
-    streams = [RequestStream(engine, state.metrics, ids, params, f"{answer.id}-{k}")
+    streams = [RequestStream(engine, state.metrics, ids, params, f"{answer.id}-{k}", owner=answer.id)
                for k, ids in enumerate(prompt_ids)]
     if req.stream:
         return StreamingResponse(_sse(answer, streams), media_type="text/event-stream",

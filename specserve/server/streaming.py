@@ -85,8 +85,9 @@ class RequestStream:
     `final` (the last RequestOutput) and `summary()` describe it."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int],
-                 params: SamplingParams, request_id: str) -> None:
+                 params: SamplingParams, request_id: str, owner: str | None = None) -> None:
         self.engine = engine
+        self.owner = owner  # the socket or HTTP request it belongs to: the scheduler's fair share
         self.metrics = metrics
         self.prompt_ids = prompt_ids
         self.params = params
@@ -108,7 +109,8 @@ class RequestStream:
         done = [False] * self.params.n
         started = False
         try:
-            async with aclosing(self.engine.generate(self.prompt_ids, self.params, self.request_id)) as gen:
+            async with aclosing(self.engine.generate(self.prompt_ids, self.params, self.request_id,
+                                                          owner=self.owner)) as gen:
                 async for out in gen:
                     started = True
                     self.final = out

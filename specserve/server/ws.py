@@ -205,7 +205,8 @@ class Session:
         except ValueError as e:
             raise ProtocolError("invalid_parameter", str(e), event.event_id) from None
         response_id = self.state.new_id("resp")
-        stream = RequestStream(engine, self.state.metrics, prompt_ids, params, response_id)
+        stream = RequestStream(engine, self.state.metrics, prompt_ids, params, response_id,
+                               owner=self.session_id)
         await self.send(ResponseCreated(event_id=event.event_id,
                                         response=ResponseInfo(id=response_id, metadata=r.metadata)))
         task = asyncio.create_task(self._respond(stream, r.metadata), name=response_id)
