@@ -392,7 +392,7 @@ class StreamLoad:
 
 
 async def _ws_socket(url: str, specs: list[dict], load: StreamLoad, rng: random.Random, drop: str | None,
-                     outcomes: list[Outcome], problems: list[str]) -> None:
+                     outcomes: list[Outcome], problems: list[str], bad_sent: Counter) -> None:
     """One socket's share of the streams; `drop` ("close" / "abort") ends the socket mid-stream."""
     conn = await WsConn.open(url)
     concurrency = len(specs) if drop else load.per_socket_concurrency
@@ -415,11 +415,12 @@ async def _ws_socket(url: str, specs: list[dict], load: StreamLoad, rng: random.
     await asyncio.gather(*tasks)
     if not drop:
         problems.extend(conn.bad_frame_problems())
+        bad_sent.update(conn.bad_sent)
         await conn.close()
 
 
 async def _slow_and_stalled(url: str, load: StreamLoad, rng: random.Random, outcomes: list[Outcome],
-                            others_done: asyncio.Event) -> list[str]:
+                            others_done: asyncio.Event) -> None:
     """A socket that stops reading for `slow_pause_s`, and one that never reads again (dropped once the
     other load has ended: the server must have served everyone else meanwhile)."""
     slow = await WsConn.open(url)
@@ -434,7 +435,6 @@ async def _slow_and_stalled(url: str, load: StreamLoad, rng: random.Random, outc
     await slow.close()
     await others_done.wait()
     await stalled.close(abort=True)
-    return []
 
 
 async def phase_streams(server: ServerThread, load: StreamLoad) -> PhaseResult:
@@ -445,6 +445,7 @@ async def phase_streams(server: ServerThread, load: StreamLoad) -> PhaseResult:
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
     problems: list[str] = []
+    bad_sent: Counter = Counter()
     specs = [make_spec(rng, load.min_tokens, load.max_tokens) for _ in range(load.num_ws)]
     groups = [specs[i:i + load.streams_per_socket] for i in range(0, len(specs), load.streams_per_socket)]
     # half the disconnect share: whole sockets dropped mid-stream (the other half: response.cancel)
@@ -457,7 +458,8 @@ async def phase_streams(server: ServerThread, load: StreamLoad) -> PhaseResult:
 
         async def one(group, drop):
             async with sem:
-                await _ws_socket(server.ws, group, load, random.Random(rng.random()), drop, outcomes, problems)
+                await _ws_socket(server.ws, group, load, random.Random(rng.random()), drop, outcomes, problems,
+                                 bad_sent)
         await asyncio.gather(*(one(g, d) for g, d in zip(groups, drops)))
 
     async def sse_all() -> None:
@@ -473,14 +475,14 @@ async def phase_streams(server: ServerThread, load: StreamLoad) -> PhaseResult:
 
     await asyncio.gather(ws_all(), sse_all())
     others_done.set()
-    problems.extend(await side)
+    await side
     result.problems = problems + check_outcomes(outcomes)
     server_problems, stats = check_server(server)
     result.problems += server_problems
     result.counts = count_outcomes(outcomes)
     result.seconds = time.perf_counter() - t0
     result.extra = {"num_outcomes": len(outcomes), "num_preemptions": stats["num_preemptions"],
-                    "num_dropped_sockets": sum(d is not None for d in drops)}
+                    "num_dropped_sockets": sum(d is not None for d in drops), "bad_frames": dict(bad_sent)}
     return result
 
 
