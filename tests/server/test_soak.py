@@ -55,8 +55,6 @@ def test_kv_exhaustion_preempts_and_every_request_ends(make_server):
     assert result.extra["num_preemptions"] > 0
 
 
-@pytest.mark.xfail(strict=False, reason="the engine fails every request of a step that raises; the change "
-                   "that retries the step without the failing request is in progress")
 def test_engine_fault_fails_only_its_request(make_server):
     server = make_server(FAULT_SERVER)
     _assert_clean(asyncio.run(phase_fault(server)))
