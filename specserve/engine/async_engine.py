@@ -28,13 +28,35 @@ class RequestFailedError(RuntimeError):
     """Engine steps failed with this request in them (the others went on)."""
 
 
+class _Latest:
+    """A stream's mailbox: RequestOutputs are cumulative, so a newer one replaces one not yet read
+    (a consumer that falls behind holds one output, not one per step). An exception is final."""
+
+    __slots__ = ("item", "event")
+
+    def __init__(self) -> None:
+        self.item = None
+        self.event = asyncio.Event()
+
+    def put(self, item) -> None:
+        if not isinstance(self.item, BaseException):
+            self.item = item
+        self.event.set()
+
+    async def get(self):
+        await self.event.wait()
+        item, self.item = self.item, None
+        self.event.clear()
+        return item
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | EngineConfig) -> None:
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
         self._cond = threading.Condition()
         self._new: list = []
         self._aborts: list[str] = []
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Latest]] = {}
         self._stopped = False
         self._stats = self.engine.stats()
         self.num_steps = 0
@@ -51,7 +73,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is stopped")
         group = self.engine.make_requests(request_id, prompt, params, owner=owner)
         req_id = group.request_id
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _Latest()
         with self._cond:
             if req_id in self._streams:
                 raise ValueError(f"request id {req_id!r} is already in use")
@@ -144,6 +166,6 @@ class AsyncEngine:
             return
         loop, queue = target
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            loop.call_soon_threadsafe(queue.put, item)
         except RuntimeError:  # the caller's loop is closed
             pass

@@ -401,7 +401,8 @@ class LLMEngine:
                 index=i, text=detok.text[:detok.emitted] if detok is not None else "",
                 token_ids=list(child.output_token_ids),
                 finish_reason=child.status.value if child.is_finished else None,
-                stop_reason=child.stop_reason, logprobs=child.logprobs))
+                stop_reason=child.stop_reason,
+                logprobs=list(child.logprobs) if child.logprobs is not None else None))
         finished = all(c.is_finished for c in group.children)
         if finished:
             del self.groups[group.request_id]

@@ -191,7 +191,7 @@ class OutputTextDelta(_Lenient):
     output_index: int = 0  # which of the n parallel samples
     delta: str
     token_ids: list[int]
-    accepted_draft_tokens: int = 0  # tokens of this step beyond the one a plain decode step makes
+    accepted_draft_tokens: int = 0  # verified draft tokens among token_ids
 
 
 class Usage(_Lenient):

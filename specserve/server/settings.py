@@ -33,6 +33,7 @@ class ServerSettings:
     allowed_hosts: list[str] | None = None
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    ws_send_timeout: float = 30.0  # seconds a WebSocket send may wait on a client that does not read
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     served_model_name: str | None = None
     extra_model_names: list[str] = field(default_factory=list)  # also accepted in the `model` field

@@ -78,6 +78,9 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None  # set on the sample's last delta: stop | length | abort
     logprobs: list[dict[int, float]] | None = None  # per token of token_ids, when asked for
+    # verified draft tokens among token_ids (the request's accepted count since the last delta; with
+    # n > 1 counted on the first delta of the step)
+    accepted_draft_tokens: int = 0
 
 
 class RequestStream:
@@ -108,6 +111,7 @@ class RequestStream:
         seen_ids = [0] * self.params.n
         done = [False] * self.params.n
         started = False
+        accepted_seen = 0
         try:
             async with aclosing(self.engine.generate(self.prompt_ids, self.params, self.request_id,
                                                           owner=self.owner)) as gen:
@@ -123,6 +127,9 @@ class RequestStream:
                         if text or ids or (o.finish_reason and not done[i]):
                             done[i] = o.finish_reason is not None
                             step.append(Delta(i, text, list(ids), o.finish_reason, lps))
+                    accepted = out.metrics.num_accepted_tokens if out.metrics is not None else 0
+                    if step and accepted > accepted_seen:
+                        step[0].accepted_draft_tokens, accepted_seen = accepted - accepted_seen, accepted
                     self._observe_step(sum(len(d.token_ids) for d in step), out)
                     yield step
             self.outcome = self._finished_outcome()

@@ -1,7 +1,10 @@
 """`WS /v1/ws`: the specserve event protocol, many responses multiplexed on one socket.
 
 One asyncio task per response; all sends go through one lock so frames never interleave.
-A bad frame is answered with an `error` event and the socket stays open. Cancelling a response
+A bad frame is answered with an `error` event and the socket stays open. A client that stops reading
+holds no engine work and no growing buffer: each response keeps only its newest output, and a send
+that cannot go out for `ws_send_timeout` seconds ends the session (close code 1008, its responses
+cancelled and their KV freed). Cancelling a response
 (`response.cancel`) or closing the socket cancels its tasks, which closes their engine streams:
 the engine aborts those requests and frees their KV blocks before its next step.
 """
@@ -98,6 +101,7 @@ class Session:
         self._send_lock = asyncio.Lock()
         self._started: set[str] = set()
         self._cancel_early: set[str] = set()
+        self._reader: asyncio.Task | None = None  # the task running run(): cancelled for a slow reader
         self.closed = False
 
     async def send(self, event) -> None:
@@ -105,11 +109,30 @@ class Session:
             raise _Closed
         data = event.model_dump_json()
         async with self._send_lock:
+            if self.closed:
+                raise _Closed
             try:
-                await self.ws.send_text(data)
+                await asyncio.wait_for(self.ws.send_text(data), self.state.settings.ws_send_timeout)
+            except asyncio.TimeoutError:
+                await self._drop_slow_reader()
+                raise _Closed from None
             except Exception as e:  # disconnects surface as several exception types
                 self.closed = True
                 raise _Closed from e
+
+    async def _drop_slow_reader(self) -> None:
+        """The client has not read for ws_send_timeout: end the session (its responses are cancelled
+        by close()) and try to say why; a full send buffer may keep the close frame from going out."""
+        timeout = self.state.settings.ws_send_timeout
+        logger.warning("closing session %s: the client read nothing for %.0fs", self.session_id, timeout)
+        self.closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+        try:
+            await asyncio.wait_for(self.ws.close(CLOSE_POLICY_VIOLATION, "slow_reader: the client did not read "
+                                                 f"its messages for {timeout:g}s"), 1.0)
+        except Exception:  # noqa: BLE001 - the socket is stuck or gone; the session ends regardless
+            pass
 
     async def send_error(self, code: str, message: str, *, event_id: str | None = None,
                          response_id: str | None = None, type: str = "invalid_request_error") -> None:
@@ -155,6 +178,15 @@ class Session:
         return False
 
     async def run(self) -> None:
+        self._reader = asyncio.current_task()
+        try:
+            await self._serve()
+        except asyncio.CancelledError:
+            if not self.closed:  # not ours: the server is stopping
+                raise
+            asyncio.current_task().uncancel()
+
+    async def _serve(self) -> None:
         try:
             engine = self.state.require_engine()
         except NotReadyError as e:
@@ -246,7 +278,7 @@ class Session:
                 for d in step:
                     await self.send(OutputTextDelta(response_id=rid, output_index=d.index, delta=d.text,
                                                     token_ids=d.token_ids,
-                                                    accepted_draft_tokens=max(0, len(d.token_ids) - 1)))
+                                                    accepted_draft_tokens=d.accepted_draft_tokens))
         except asyncio.CancelledError:
             if self.closed:
                 raise _Closed from None
