@@ -221,6 +221,7 @@ async def _respond(request: Request, state: ServerState, engine: AsyncEngine, re
         for t in tasks:  # after a failure (or a disconnect) the other samples stop too
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(work, return_exceptions=True)  # its outcome is known: retrieve it
     choices = []
     for k, s in enumerate(streams):
         for o in s.final.outputs:
