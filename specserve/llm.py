@@ -70,6 +70,6 @@ class LLM:
             bar.close()
         if failed:
             req_id, why = next(iter(failed.items()))
-            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed (the others completed); "
-                               f"request {req_id}: {why}")
+            others = "the others completed" if len(failed) < len(ids) else "all of them"
+            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed ({others}); request {req_id}: {why}")
         return [done[i] for i in ids]
