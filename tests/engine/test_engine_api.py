@@ -133,3 +133,18 @@ def test_auto_dtype_follows_the_cpu(tiny_llama_dir):
     assert resolve_dtype("auto", arch, torch.device("cuda")) == torch.bfloat16
     expected = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     assert resolve_dtype("auto", arch, torch.device("cpu")) == expected
+
+
+def test_threads_sets_the_cpu_threads_of_generation(tiny_llama_dir):
+    """`threads` / --threads: torch's CPU threads for the engine's math (a real process, so the
+    suite's own thread count is untouched); a bad value is a one-line error."""
+    code = ("import torch, sys; from specserve import LLM, SamplingParams; "
+            f"llm = LLM({str(tiny_llama_dir)!r}, dtype='float32', device='cpu', num_kv_blocks=16, threads=1); "
+            "llm.generate({'prompt_token_ids': [5, 6]}, SamplingParams(max_tokens=2)); "
+            "print(torch.get_num_threads())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == "1"
+    bad = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", "hi", "--model", str(tiny_llama_dir),
+                          "--threads", "0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip() == "specserve: error: threads must be at least 1, got 0"
