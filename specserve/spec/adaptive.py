@@ -2,7 +2,8 @@
 
 Speculation pays when the extra verification tokens are cheap (the target forward is bound by
 reading weights, not by compute) and drafts are likely accepted. The same inputs (estimates, cost
-table, the guard's trust) always give the same k; greedy output never depends on k anyway:
+table, the guard's trust) always give the same k; greedy output does not depend on k in fp32 (in
+bf16 the verification shapes k implies can flip near-ties: docs/speculative.md, Exactness):
 
 - a target forward over N tokens costs `costs(N)` steps (specserve/spec/costs.py): analytically
   `1 + N / compute_bound_tokens` (reading the weights once, plus compute per token; the sum, not

@@ -20,7 +20,8 @@ backed off however the model went wrong. Every step all sums decay, so the trust
 and drafting is tried (and measured) again now and then: it recovers when text gets repetitive.
 Conversely, when every step drafts, about one step in max_age runs without drafts (`wants_probe`)
 to keep the plain-step time fresh.
-Pure Python over a few numbers per step; greedy output never depends on it.
+Pure Python over a few numbers per step; greedy output does not depend on it in fp32 (in bf16 the
+shapes of the k it picks can flip near-ties).
 """
 from __future__ import annotations
 

@@ -4,8 +4,10 @@ A request that speculated contributed 1 + k rows of target logits: row j scores 
 context + d_1..d_j, so rows 0..k-1 judge the drafts d_1..d_k and row k gives the bonus token.
 
 - Greedy requests accept the longest prefix of drafts equal to the target's argmax, then append
-  the argmax at the first mismatch (or the bonus argmax when every draft matched): the output is
-  exactly what decoding without speculation would produce.
+  the argmax at the first mismatch (or the bonus argmax when every draft matched): every token is
+  the target's argmax given the tokens before it, so in fp32 the output is exactly that of decoding
+  without speculation (tested); in bf16 the verification forward's other shape may round a near-tie
+  the other way (docs/speculative.md, Exactness).
 - Random requests use the rule of Leviathan et al. (2023) / Chen et al. (2023), which keeps the
   output distributed exactly as the target's p whatever the draft distribution q was:
       accept d_j with probability min(1, p_j(d_j) / q_j(d_j));
