@@ -90,7 +90,7 @@ class SpecConfig:
     # BENCHMARKS ONLY: accept each draft token with this probability whatever the models say (random
     # weights accept nothing). Output is then no longer the target's: greedy identity does not hold.
     simulated_acceptance: float | None = None
-    # Adaptive k (specserve/spec/adaptive.py): tokens per forward where the target turns compute bound
+    # Adaptive k (specserve/spec_decode/adaptive.py): tokens per forward where the target turns compute bound
     # (None = the device's default) and one draft-model step in target steps (None = parameter ratio).
     compute_bound_tokens: int | None = None
     draft_cost: float | None = None

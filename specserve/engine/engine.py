@@ -24,7 +24,7 @@ from specserve.models.loader import LoadedModel, load_model
 from specserve.quant.bnb import cuda_graph_safe
 from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, format_bytes, weight_memory
 from specserve.sampling_params import SamplingParams
-from specserve.spec.metrics import SpecDecodingStats
+from specserve.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ class LLMEngine:
                     format_bytes(self.weight_bytes),
                     _quant_note(self.loaded.quantization, self.weight_memory), time.perf_counter() - t0)
 
-        self.proposer = None  # speculative decoding: the draft source (specserve.spec)
+        self.proposer = None  # speculative decoding: the draft source (specserve.spec_decode)
         if config.spec is not None:
-            from specserve.spec import build_proposer
+            from specserve.spec_decode import build_proposer
             self.proposer = build_proposer(
                 config.spec, target=self.loaded, device=self.device, seed=mc.seed,
                 max_positions=mc.max_model_len or arch.max_position_embeddings,
@@ -132,7 +132,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, backend, self.device, self.loaded.dtype,
                                   cc.block_size, num_blocks, seed=mc.seed)
         if self.proposer is not None:
-            from specserve.spec import RejectionSampler
+            from specserve.spec_decode import RejectionSampler
             self.proposer.bind(self.runner, max_len)
             self.runner.proposer = self.proposer
             self.runner.rejection_sampler = RejectionSampler(config.spec.simulated_acceptance, seed=mc.seed)

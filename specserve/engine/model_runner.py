@@ -221,7 +221,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, when CUDA graphs are enabled
         # every tensor indexed by block id in dim 2 (the target's KV, a draft model's KV): CoW copies all
         self.block_tensors: list[torch.Tensor] = [self.kv_cache]
-        self.proposer = None  # set by the engine when speculating (specserve.spec.Proposer)
+        self.proposer = None  # set by the engine when speculating (specserve.spec_decode.Proposer)
         self.rejection_sampler = None
         self.staging = HostStaging(device)  # step inputs, host -> device
         self.token_staging = HostStaging(device)  # sampled ids of deferred steps, device -> host

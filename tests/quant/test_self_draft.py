@@ -56,7 +56,7 @@ def reference(tiny_model_dir):
 
 @pytest.mark.parametrize("draft", ["self-int8", "self-nf4"])
 def test_self_draft_speculation_keeps_greedy_output(tiny_model_dir, reference, draft):
-    pytest.importorskip("specserve.spec.draft_model", reason="needs the draft-model proposer")
+    pytest.importorskip("specserve.spec_decode.draft_model", reason="needs the draft-model proposer")
     expected, target_bytes = reference
     llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=64, draft_model=draft,
               speculative_config={"num_speculative_tokens": 3, "adaptive": False})

@@ -8,7 +8,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from tests.cache.invariants import check_invariants
-from tests.spec.conftest import VOCAB, spec_prompts
+from tests.spec_decode.conftest import VOCAB, spec_prompts
 
 K = 4
 MAX_NEW = 48

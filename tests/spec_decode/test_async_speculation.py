@@ -6,7 +6,7 @@ import pytest
 
 from specserve import SamplingParams
 from tests.engine.test_async_scheduling import run
-from tests.spec.conftest import spec_prompts
+from tests.spec_decode.conftest import spec_prompts
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

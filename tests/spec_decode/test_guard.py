@@ -1,4 +1,4 @@
-"""The closed-loop guard of adaptive k (specserve/spec/guard.py): drafting steps are timed against
+"""The closed-loop guard of adaptive k (specserve/spec_decode/guard.py): drafting steps are timed against
 plain ones, and drafts that do not pay in practice are backed off, then retried."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-import specserve.spec.adaptive as adaptive
-from specserve.spec.adaptive import AdaptiveK
-from specserve.spec.costs import StepCosts
+import specserve.spec_decode.adaptive as adaptive
+from specserve.spec_decode.adaptive import AdaptiveK
+from specserve.spec_decode.costs import StepCosts
 
 # measured on the 2-core AVX2 machine here (SmolLM2 fp32, 1 thread): the first extra token is dear
 CPU_TABLE = [(1, 1.0), (2, 1.74), (3, 2.3), (5, 2.34), (9, 2.5), (17, 3.4), (33, 4.25), (65, 6.96)]
@@ -131,7 +131,7 @@ def test_the_ngram_proposer_reports_its_steps(tiny_llama_dir):
     """Served with adaptive n-gram speculation, every step reaches the guard: plain steps set the
     reference times that drafting steps are judged against."""
     from specserve import LLM, SamplingParams
-    from tests.spec.conftest import spec_prompts
+    from tests.spec_decode.conftest import spec_prompts
 
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=4,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "compute_bound_tokens": 64})

@@ -10,8 +10,8 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.config import SpecConfig
 from specserve.models.loader import load_model
-from specserve.spec import build_proposer, check_same_vocab
-from tests.spec.conftest import spec_prompts
+from specserve.spec_decode import build_proposer, check_same_vocab
+from tests.spec_decode.conftest import spec_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

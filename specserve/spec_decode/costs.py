@@ -1,5 +1,5 @@
 """What a target forward over N tokens costs, relative to a one-token decode step: the cost side
-of adaptive k (specserve/spec/adaptive.py).
+of adaptive k (specserve/spec_decode/adaptive.py).
 
 Two sources:
 - analytic: `1 + N / compute_bound_tokens` (read the weights once, plus compute per token; the

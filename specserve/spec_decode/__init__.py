@@ -12,9 +12,9 @@ import torch
 
 from specserve.config import SpecConfig
 from specserve.models.loader import LoadedModel
-from specserve.spec.adaptive import AdaptiveK
-from specserve.spec.proposer import Proposer
-from specserve.spec.rejection import RejectionSampler
+from specserve.spec_decode.adaptive import AdaptiveK
+from specserve.spec_decode.proposer import Proposer
+from specserve.spec_decode.rejection import RejectionSampler
 
 __all__ = ["AdaptiveK", "Proposer", "RejectionSampler", "build_proposer", "check_same_vocab",
            "default_compute_bound_tokens"]
@@ -56,14 +56,14 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
     # CPUs: measure the step costs at start-up (spec/costs.py), unless a ridge point is given
     policy.profile_on_bind = spec.adaptive and spec.compute_bound_tokens is None and device.type == "cpu"
     if spec.method == "ngram":
-        from specserve.spec.ngram import NgramProposer
+        from specserve.spec_decode.ngram import NgramProposer
 
         policy.decay = 0.95  # estimates per match length pool all requests: a longer memory
         return NgramProposer(policy, prompt_lookup_min=spec.prompt_lookup_min,
                              prompt_lookup_max=spec.prompt_lookup_max,
                              max_num_batched_tokens=max_num_batched_tokens)
     from specserve.quant.self_draft import is_self_draft
-    from specserve.spec.draft_model import DraftModelProposer
+    from specserve.spec_decode.draft_model import DraftModelProposer
 
     if draft_model is not None:
         module, identity = draft_model, (spec.model or "module", spec.quantization or "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from tests.spec.conftest import spec_prompts
+from tests.spec_decode.conftest import spec_prompts
 
 MAX_NEW = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -1,6 +1,6 @@
 """Closed-loop guard for adaptive k: do drafting steps deliver the speedup the policy predicted?
 
-The policy (specserve/spec/adaptive.py) predicts each step's gain from a cost table and acceptance
+The policy (specserve/spec_decode/adaptive.py) predicts each step's gain from a cost table and acceptance
 estimates. Both can be wrong in ways the policy cannot see: a start-up profile times one request on
 a quiet machine (a served batch has batched attention, the rejection sampler, other processes), and
 a batch that waits for its slowest request gains less from a few fast requests than the token count

@@ -15,7 +15,7 @@ import torch
 
 from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from specserve.engine.request import Request
-from specserve.spec.adaptive import AdaptiveK, nothing_to_draft, sampled_slots
+from specserve.spec_decode.adaptive import AdaptiveK, nothing_to_draft, sampled_slots
 
 
 def find_ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarray, int]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specserve.spec.rejection as rejection
+import specserve.spec_decode.rejection as rejection
 from specserve.sample.sampler import SamplingRow, probs_for
 from specserve.sampling_params import SamplingParams
-from specserve.spec.rejection import RejectionSampler, VerifyRequest
+from specserve.spec_decode.rejection import RejectionSampler, VerifyRequest
 
 V = 12
 GREEDY = SamplingParams(temperature=0.0)

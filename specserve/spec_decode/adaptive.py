@@ -5,7 +5,7 @@ reading weights, not by compute) and drafts are likely accepted. The same inputs
 table, the guard's trust) always give the same k; greedy output does not depend on k in fp32 (in
 bf16 the verification shapes k implies can flip near-ties: docs/speculative.md, Exactness):
 
-- a target forward over N tokens costs `costs(N)` steps (specserve/spec/costs.py): analytically
+- a target forward over N tokens costs `costs(N)` steps (specserve/spec_decode/costs.py): analytically
   `1 + N / compute_bound_tokens` (reading the weights once, plus compute per token; the sum, not
   the max: conservative), or interpolated from a start-up profile (the CPU default);
 - each autoregressive draft-model step costs `draft_cost` target steps (0 for n-gram lookup);
@@ -20,7 +20,7 @@ tokens per unit of cost, if the drafts' tokens per unit of their own cost beat t
 margin, so the bar rises with the batch. At high concurrency it nears 1 and k drops to 0:
 speculation switches itself off instead of slowing the server down.
 
-The model is checked against the clock (specserve/spec/guard.py): a proposer that reports its
+The model is checked against the clock (specserve/spec_decode/guard.py): a proposer that reports its
 steps (`step_started` / `step_finished`) lets the guard compare the realized gain of drafting steps
 with the predicted one; the expected accepted tokens are scaled by that share (`trust`, <= 1).
 """
@@ -31,8 +31,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specserve.spec.costs import StepCosts, measured_costs, profile_forward
-from specserve.spec.guard import RealizedGain
+from specserve.spec_decode.costs import StepCosts, measured_costs, profile_forward
+from specserve.spec_decode.guard import RealizedGain
 
 if TYPE_CHECKING:
     from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -68,7 +68,7 @@ class AdaptiveK:
         # batch's by 15%): the model prices a step's tokens, a real batch also waits for its slowest
         self.margin = 0.15
         # closed loop: measured step times vs the gains the plan predicted (fed by a proposer that
-        # reports its steps: `step_started` / `step_finished`; specserve/spec/guard.py)
+        # reports its steps: `step_started` / `step_finished`; specserve/spec_decode/guard.py)
         self.guard = RealizedGain()
         self._step_t0: float | None = None
         self._predicted_gain = 0.0  # relative speedup the last plan expected of its drafts (untrusted model)

@@ -6,8 +6,8 @@ import pytest
 
 from specserve.cli import build_parser, engine_kwargs
 from specserve.config import SpecConfig, engine_config_from_args
-from specserve.spec.adaptive import AdaptiveK
-from specserve.spec.ngram import find_ngram_drafts
+from specserve.spec_decode.adaptive import AdaptiveK
+from specserve.spec_decode.ngram import find_ngram_drafts
 
 
 def drafts(tokens, k=3, min_n=1, max_n=4):

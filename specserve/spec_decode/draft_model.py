@@ -35,7 +35,7 @@ from specserve.engine.model_runner import batch_metadata
 from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import draw, probs_for
-from specserve.spec.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step
+from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step
 
 logger = logging.getLogger(__name__)
 
