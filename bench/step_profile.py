@@ -43,12 +43,12 @@ def profile(llm: LLM, requests: int, prompt_len: int, new_tokens: int, sync: boo
     engine, runner = llm.engine, llm.engine.runner
     device = runner.device if sync and runner.device.type == "cuda" else None
     times: collections.Counter = collections.Counter()
-    saved = (engine.step, engine.scheduler.schedule, engine.scheduler.resolve, runner._forward, runner._sample,
+    saved = (engine.step, engine.scheduler.schedule, engine.scheduler.resolve, runner.target.forward, runner._sample,
              runner._sample_deferred, runner.collect, model_runner.build_step_inputs)
     engine.step = timed(times, "step", engine.step)
     engine.scheduler.schedule = timed(times, "schedule", engine.scheduler.schedule)
     engine.scheduler.resolve = timed(times, "update", engine.scheduler.resolve)
-    runner._forward = timed(times, "forward", runner._forward, device)
+    runner.target.forward = timed(times, "forward", runner.target.forward, device)
     runner._sample = timed(times, "sample", runner._sample)
     runner._sample_deferred = timed(times, "sample", runner._sample_deferred)
     runner.collect = timed(times, "collect", runner.collect)
@@ -70,7 +70,7 @@ def profile(llm: LLM, requests: int, prompt_len: int, new_tokens: int, sync: boo
         llm.generate(batch, params)
         elapsed = time.perf_counter() - t0
     finally:
-        (engine.step, engine.scheduler.schedule, engine.scheduler.resolve, runner._forward, runner._sample,
+        (engine.step, engine.scheduler.schedule, engine.scheduler.resolve, runner.target.forward, runner._sample,
          runner._sample_deferred, runner.collect, model_runner.build_step_inputs) = saved
     n = steps[0]
     phases = {k: round(v / n * 1e3, 3) for k, v in times.most_common()}

@@ -1,28 +1,19 @@
-"""LLMEngine: schedule -> execute -> update -> detokenize, one step at a time (the engine API:
-add_request / step / abort). The AsyncEngine wrapping it for servers lives in async_engine.py."""
+"""LLMEngine: each step schedules, launches (model runner), collects and resolves (scheduler), then
+detokenizes; the engine API is add_request / step / abort. Built by engine/build.py; the AsyncEngine
+wrapping it for servers lives in async_engine.py."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 
-import torch
-
-from specserve.cache.kv_cache_manager import KVCacheManager
 from specserve.config import EngineConfig
+from specserve.engine.build import build_engine
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.isolation import StepIsolation
-from specserve.engine.model_runner import ModelRunner
 from specserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.engine.request import Request, RequestStatus
-from specserve.engine.scheduler import Scheduler
-from specserve.models.layers.attention import get_attention_backend
-from specserve.models.loader import LoadedModel, load_model
-from specserve.quant.bnb import cuda_graph_safe
-from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, format_bytes, weight_memory
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.metrics import SpecDecodingStats
 
@@ -43,140 +34,35 @@ class _Group:
     seen: list[int] = field(default_factory=list)  # output tokens already detokenized, per child
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"bad device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but no CUDA GPU is available")
-    return dev
-
-
-def _quant_note(method: str | None, mem: WeightMemory) -> str:
-    if not method:
-        return ""
-    return (f"; {method}: {mem.num_quantized_layers} quantized layers {format_bytes(mem.quantized)} incl. "
-            f"scales, unquantized {format_bytes(mem.unquantized)}")
-
-
 class LLMEngine:
+    """The engine API: add_request / step / abort (and fork_request, take_failures, stats). Its parts
+    come from the builder (engine/build.py); this class keeps the requests and runs the steps."""
+
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
-        mc = config.model
-        t0 = time.perf_counter()
-        model_path = mc.model
-        if model_path is None:
-            from specserve.models.default_model import ensure_default_model
-            model_path = str(ensure_default_model())
-        self.loaded: LoadedModel = load_model(
-            model_path, dtype=mc.dtype, device=self.device, load_format=mc.load_format,
-            max_positions=mc.max_model_len, seed=mc.seed, quantization=mc.quantization,
-            quantize_embeddings=mc.quantize_embeddings)
-        arch = self.loaded.arch
-        self.tokenizer = self.loaded.tokenizer
-        self.model_name = model_path
-        # quantized storage counted as stored (int8 / packed nf4 + their scales), tied weights once
-        self.weight_memory = weight_memory(self.loaded.model)
-        self.weight_bytes = self.weight_memory.total  # + the draft's own weights, below
-        self.draft_weight_bytes = 0
-        logger.info("loaded %s (%s, %s of weights%s) in %.1fs", model_path, self.loaded.dtype,
-                    format_bytes(self.weight_bytes),
-                    _quant_note(self.loaded.quantization, self.weight_memory), time.perf_counter() - t0)
-
-        self.proposer = None  # speculative decoding: the draft source (specserve.spec_decode)
-        if config.spec is not None:
-            from specserve.spec_decode import build_proposer
-            self.proposer = build_proposer(
-                config.spec, target=self.loaded, device=self.device, seed=mc.seed,
-                max_positions=mc.max_model_len or arch.max_position_embeddings,
-                max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
-            draft = getattr(self.proposer, "model", None)
-            if draft is not None:  # count what the draft adds (a self-draft shares the target's tensors)
-                both = weight_memory(self.loaded.model, draft).total
-                self.draft_weight_bytes, self.weight_bytes = both - self.weight_bytes, both
-                logger.info("draft %s adds %s of weights (%s in all)", config.spec.model,
-                            format_bytes(self.draft_weight_bytes), format_bytes(self.weight_bytes))
-        self.spec_stats = SpecDecodingStats(config.spec.num_speculative_tokens if config.spec else 0)
-
-        max_len = mc.max_model_len or arch.max_position_embeddings
-        if max_len > arch.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's {arch.max_position_embeddings}")
-        cc = config.cache
-        block_bytes = ModelRunner.kv_bytes_per_block(arch, cc.block_size, self.loaded.dtype)
-        if self.proposer is not None:  # a draft model's KV lives in the same blocks
-            block_bytes += self.proposer.kv_bytes_per_block(cc.block_size)
-        num_blocks = cc.num_kv_blocks or self._auto_num_blocks(block_bytes, max_len)
-        if num_blocks * cc.block_size < max_len:
-            if mc.max_model_len:
-                raise ValueError(f"max_model_len {max_len} needs {-(-max_len // cc.block_size)} KV blocks, "
-                                 f"the cache has {num_blocks}; lower --max-model-len or give the cache more memory")
-            max_len = num_blocks * cc.block_size
-            logger.warning("max_model_len lowered to %d to fit the KV cache", max_len)
-        self.max_model_len = max_len
-        config.scheduler.max_model_len = max_len
-        self.kv_cache_bytes = num_blocks * block_bytes
-
-        identity = (self.loaded.path, str(self.loaded.dtype), self.loaded.quantization or "")
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                         extra_keys=identity)
-        if self.proposer is not None and self.proposer.cache_identity:
-            self.kv_manager.add_extra_keys(self.proposer.cache_identity)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        backend = get_attention_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.loaded.model, backend, self.device, self.loaded.dtype,
-                                  cc.block_size, num_blocks, seed=mc.seed)
-        if self.proposer is not None:
-            from specserve.spec_decode import RejectionSampler
-            self.proposer.bind(self.runner, max_len)
-            self.runner.proposer = self.proposer
-            self.runner.rejection_sampler = RejectionSampler(config.spec.simulated_acceptance, seed=mc.seed)
-            self.scheduler.num_lookahead_tokens = self.proposer.num_lookahead_tokens
-        draft = getattr(self.proposer, "model", None)
-        if self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton" \
-                and cuda_graph_safe(self.loaded.model, draft):
-            k = config.spec.num_speculative_tokens if config.spec else 0
-            self.runner.enable_cuda_graphs(max_len, config.scheduler.max_num_seqs, (1, 1 + k))
-        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        parts = build_engine(config)
+        self.config = parts.config  # resolved (the caller's is left as it was)
+        self.device = parts.device
+        self.loaded = parts.loaded
+        self.tokenizer = parts.loaded.tokenizer
+        self.model_name = parts.model_name
+        self.weight_memory, self.weight_bytes = parts.weight_memory, parts.weight_bytes
+        self.draft_weight_bytes, self.kv_cache_bytes = parts.draft_weight_bytes, parts.kv_cache_bytes
+        self.max_model_len = parts.config.scheduler.max_model_len
+        self.kv_manager, self.scheduler, self.runner = parts.kv_manager, parts.scheduler, parts.runner
+        self.proposer = parts.proposer  # speculative decoding: the draft source (specserve.spec_decode)
+        spec = parts.config.spec
+        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
+        self.eos_token_ids = frozenset(parts.loaded.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
-        sc = config.scheduler
-        self.async_scheduling = sc.async_scheduling if sc.async_scheduling is not None else \
-            self.device.type == "cuda"
+        async_scheduling = parts.config.scheduler.async_scheduling
+        self.async_scheduling = async_scheduling if async_scheduling is not None else self.device.type == "cuda"
         self._inflight = None  # a launched step whose sampled tokens are still on the device
         self._touched: dict[str, _Group] = {}  # groups with news since the last step() returned
         self.num_deferred_steps = 0  # steps left in flight by async scheduling
         self.isolation = StepIsolation(self)
         self._step_req_ids: set[str] | None = None
         self._step_sampled: set[str] = set()
-        logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, attention %s",
-                    num_blocks, cc.block_size, format_bytes(self.kv_cache_bytes), max_len, backend.name)
-
-    def _auto_num_blocks(self, block_bytes: int, max_len: int) -> int:
-        if self.device.type == "cuda":
-            gc.collect()  # an engine dropped just before (benchmarks) frees its KV cache now
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info(self.device)
-            # memory this process's allocator holds but does not use is available to us
-            used = total - free - (torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
-            sc, arch = self.config.scheduler, self.loaded.arch
-            # activations of one step: hidden/qkv/mlp intermediates and the fp32 logits
-            act = sc.max_num_batched_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * 4
-            act += sc.max_num_seqs * 8 * arch.vocab_size * 4
-            act += dequant_workspace_bytes(self.loaded.model, self.loaded.dtype)  # bnb 4-bit matmuls
-            budget = total * self.config.cache.gpu_memory_utilization - used - act
-        else:
-            budget = self.config.cache.kv_cache_memory
-        num = int(budget // block_bytes)
-        if num < 1:
-            raise ValueError("no memory left for the KV cache: lower the model size or raise "
-                             "--gpu-memory-utilization / --kv-cache-memory")
-        return num
 
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -349,7 +235,7 @@ class LLMEngine:
         any) that would propose nothing after this step whatever it samples (`idle`: adaptive k
         finds no draft worth it at this batch size), and no request that forks, wants logprobs, or
         whose next sample reads the token history (penalties; the eos ban until min_tokens)."""
-        proposer = self.runner.proposer
+        proposer = self.proposer
         if proposer is not None and (any(s.spec_token_ids for s in sched.scheduled)
                                      or not proposer.idle(sched)):
             return False

@@ -1,195 +1,27 @@
-"""The only part that touches tensors: turns a SchedulerOutput into one forward over a flat ragged
-batch, samples, verifies drafts, and asks the proposer for the next drafts."""
+"""The model runner: turns a SchedulerOutput into one forward over a flat ragged batch (through the
+target's ModelExecutor), samples, verifies drafts, and asks the proposer for the next drafts. The
+scheduler side never touches tensors; only dataclasses cross (SchedulerOutput, ModelRunnerOutput)."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from typing import TYPE_CHECKING
+
+from specserve.engine.executor import ModelExecutor
+from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from specserve.engine.request import Request
-from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.models.llama import LlamaForCausalLM
-from specserve.sample.sampler import Sampler, SamplingRow
+from specserve.engine.step_inputs import HostStaging, PendingTokens, StepInputs, build_step_inputs
+from specserve.sample.sampler import RequestGenerators, Sampler, SamplingRow
+from specserve.spec_decode.proposer import DraftStep
+
+if TYPE_CHECKING:
+    from specserve.spec_decode.proposer import Proposer
+    from specserve.spec_decode.rejection import RejectionSampler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_logits] rows of the hidden states to project
-    logits_rows: list[tuple[ScheduledRequest, int, int]]  # (request, first logits row, count)
-
-
-class HostStaging:
-    """Pinned host buffers for a step's integer inputs, so they reach the device in one asynchronous
-    copy per dtype instead of one blocking copy per tensor (and for sampled ids on their way back). A
-    small ring of buffers per dtype, each guarded by an event: a buffer is reused only once the copy
-    that last used it has run (with async scheduling the next step is built while earlier copies may
-    still be queued). Preallocated: allocating pinned memory per step can stall on the device."""
-
-    RING = 4
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pinned = device.type == "cuda"
-        self._ring: dict[torch.dtype, list[list]] = {}  # dtype -> [[buffer, event], ...]
-        self._next: dict[torch.dtype, int] = {}
-        self.last_event: torch.cuda.Event | None = None
-
-    def _buffer(self, dtype: torch.dtype, total: int) -> list:
-        """The next [pinned buffer, event] of the ring, once the copy that last used it has run."""
-        ring = self._ring.setdefault(dtype, [[None, None] for _ in range(self.RING)])
-        i = self._next.get(dtype, 0)
-        self._next[dtype] = (i + 1) % self.RING
-        slot = ring[i]
-        if slot[1] is not None:
-            slot[1].synchronize()
-        if slot[0] is None or slot[0].numel() < total:
-            slot[0] = torch.empty(max(total, 4096), dtype=dtype, pin_memory=True)
-        return slot
-
-    def _copied(self, slot: list) -> None:
-        slot[1] = self.last_event = torch.cuda.Event()
-        slot[1].record()
-
-    def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Pinned host views that the device tensors (1-D, one dtype) are being copied into; valid
-        once `last_event` has completed."""
-        sizes = [t.numel() for t in tensors]
-        slot = self._buffer(tensors[0].dtype, sum(sizes))
-        out = _views(slot[0], sizes)
-        for t, view in zip(tensors, out):
-            view.copy_(t, non_blocking=True)
-        self._copied(slot)
-        return out
-
-    def to_device(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Device tensors (views of one copy) holding `arrays` (1-D numpy, any int dtype)."""
-        sizes = [len(a) for a in arrays]
-        total = sum(sizes)
-        if not self.pinned:  # the CPU: the tensors are the (concatenated) host arrays
-            flat = torch.from_numpy(np.concatenate(arrays).astype(_NP[dtype], copy=False))
-        else:
-            slot = self._buffer(dtype, total)
-            host = slot[0].numpy()
-            offset = 0
-            for a, n in zip(arrays, sizes):
-                host[offset:offset + n] = a
-                offset += n
-            flat = slot[0][:total].to(self.device, non_blocking=True)
-            self._copied(slot)
-        return _views(flat, sizes)
-
-
-def _views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Consecutive 1-D views of `flat` with the given sizes."""
-    out, offset = [], 0
-    for n in sizes:
-        out.append(flat[offset:offset + n])
-        offset += n
-    return out
-
-
-_NP = {torch.int64: np.int64, torch.int32: np.int32}
-_DEFAULT_STAGING: dict[torch.device, HostStaging] = {}
-
-
-def _staging_for(device: torch.device) -> HostStaging:
-    staging = _DEFAULT_STAGING.get(device)
-    if staging is None:
-        staging = _DEFAULT_STAGING[device] = HostStaging(device)
-    return staging
-
-
-def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
-                   device: torch.device, pad_block_table_to: int = 0, staging: HostStaging | None = None,
-                   extra_int64: list[np.ndarray] = ()) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Positions [num_tokens] and attention metadata of a flat ragged batch: request i computes the
-    last query_lens[i] of its seq_lens[i] tokens, whose KV lives in the blocks tables[i].
-    `extra_int64` arrays travel to the device in the same copy; they come back in `meta.extra["int64"]`."""
-    staging = staging or _staging_for(device)
-    num_reqs = len(query_lens)
-    q_lens = np.asarray(query_lens, dtype=np.int64)
-    s_lens = np.asarray(seq_lens, dtype=np.int64)
-    cu = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu[1:])
-    num_tokens = int(cu[-1])
-    max_blocks = max(max(len(t) for t in tables), pad_block_table_to)
-    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = t
-    req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-    positions = np.arange(num_tokens) - (cu[:-1] - s_lens + q_lens)[req_of_token]
-    slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
-    long_parts = staging.to_device([positions, slots, *extra_int64], torch.int64)
-    cu_d, s_lens_d, bt_d = staging.to_device([cu, s_lens, block_tables.ravel()], torch.int32)
-    meta = AttentionMetadata(
-        num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=int(q_lens.max()),
-        max_seq_len=int(s_lens.max()), query_start_loc=cu_d, seq_lens=s_lens_d,
-        block_tables=bt_d.view(num_reqs, max_blocks), slot_mapping=long_parts[1],
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
-        extra={"block_size": block_size})
-    if extra_int64:
-        meta.extra["int64"] = long_parts[2:]
-    return long_parts[0], meta
-
-
-def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
-                      pad_block_table_to: int = 0, staging: HostStaging | None = None,
-                      prev_tokens: PendingTokens | None = None) -> StepInputs:
-    """Flat token ids / positions / slots and the attention metadata of one step. A request whose
-    last token is still in flight (async scheduling) gets it from `prev_tokens` on the device."""
-    input_ids: list[int] = []
-    query_lens, seq_lens, tables = [], [], []
-    logits_idx: list[int] = []
-    logits_rows = []
-    fill_dst: list[int] = []  # flat positions whose token id is on the device ...
-    fill_src: list[int] = []  # ... in this row of prev_tokens
-    for s in scheduled:
-        req = s.request
-        num_real = s.num_tokens - len(s.spec_token_ids)
-        known = req.all_token_ids[s.start:s.start + num_real]
-        input_ids += known
-        if len(known) < num_real:  # the in-flight token(s) of the previous step
-            assert prev_tokens is not None and num_real - len(known) == 1, "one token in flight at most"
-            fill_dst.append(len(input_ids))
-            fill_src.append(prev_tokens.row_of[req.request_id])
-            input_ids.append(0)
-        input_ids += s.spec_token_ids
-        query_lens.append(s.num_tokens)
-        seq_lens.append(s.start + s.num_tokens)
-        tables.append(s.block_ids)
-        if s.sample:
-            count = 1 + len(s.spec_token_ids)
-            end = len(input_ids)
-            logits_rows.append((s, len(logits_idx), count))
-            logits_idx += range(end - count, end)
-    extra = [np.asarray(input_ids, dtype=np.int64), np.asarray(logits_idx, dtype=np.int64),
-             np.asarray(fill_dst, dtype=np.int64), np.asarray(fill_src, dtype=np.int64)]
-    positions, meta = batch_metadata(query_lens, seq_lens, tables, block_size, device, pad_block_table_to,
-                                     staging, extra)
-    ids, logits_indices, dst, src = meta.extra.pop("int64")
-    if fill_dst:
-        ids[dst] = prev_tokens.tokens[src]
-    return StepInputs(input_ids=ids, positions=positions, meta=meta, logits_indices=logits_indices,
-                      logits_rows=logits_rows)
-
-
-@dataclass
-class PendingTokens:
-    """Token ids sampled by a launched step, still on the device (one per sampled request), and
-    their copy on its way to the host."""
-
-    tokens: torch.Tensor  # [num_rows] int64, device
-    row_of: dict[str, int]  # request id -> row
-    host: torch.Tensor  # [num_rows] int64, host (pinned on CUDA), valid once `event` completed
-    event: torch.cuda.Event | None
 
 
 @dataclass
@@ -202,34 +34,35 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
-                 dtype: torch.dtype, block_size: int, num_blocks: int, seed: int = 0) -> None:
-        self.model = model
-        self.backend = backend
-        model.backend = backend
-        self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+    """Runs one step of the target: block copies, inputs, one forward through the target's executor,
+    sampling / verification, then the proposer's drafts for the next step. Its collaborators come
+    built (engine/build.py): `executors` are every model over the shared block ids (the target's
+    first; copy-on-write copies all of their KV)."""
+
+    def __init__(self, executors: list[ModelExecutor], generators: RequestGenerators,
+                 proposer: Proposer | None = None, rejection_sampler: RejectionSampler | None = None,
+                 seed: int = 0) -> None:
+        self.target = executors[0]
+        self.executors = executors
+        self.model = self.target.model
+        self.device = self.target.device
+        self.block_size = self.target.block_size
+        self.generators = generators
+        self.proposer = proposer
+        self.rejection_sampler = rejection_sampler
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
-        cfg = model.cfg
-        # one tensor for all layers: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, dtype=dtype, device=device)
-        self.kv_caches = list(self.kv_cache.unbind(0))
-        self.graphs = None  # DecodeGraphs, when CUDA graphs are enabled
-        # every tensor indexed by block id in dim 2 (the target's KV, a draft model's KV): CoW copies all
-        self.block_tensors: list[torch.Tensor] = [self.kv_cache]
-        self.proposer = None  # set by the engine when speculating (specserve.spec_decode.Proposer)
-        self.rejection_sampler = None
-        self.staging = HostStaging(device)  # step inputs, host -> device
-        self.token_staging = HostStaging(device)  # sampled ids of deferred steps, device -> host
+        self.staging = HostStaging(self.device)  # step inputs, host -> device
+        self.token_staging = HostStaging(self.device)  # sampled ids of deferred steps, device -> host
         torch.manual_seed(seed)
 
-    @staticmethod
-    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-        return cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The target's KV: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.target.kv_cache
+
+    @property
+    def graphs(self):
+        return self.target.graphs
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy whole KV blocks src -> dst in every layer (all reads before writes)."""
@@ -237,21 +70,8 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for t in self.block_tensors:
-            t[:, :, dst] = t[:, :, src]
-
-    def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        g = self.generators.get(req_id)
-        if g is None:
-            g = torch.Generator(device=self.device).manual_seed(seed)
-            self.generators[req_id] = g
-        return g
-
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step to completion (launch + collect)."""
-        return self.collect(self.launch(sched))
+        for ex in self.executors:
+            ex.kv_cache[:, :, dst] = ex.kv_cache[:, :, src]
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None, defer: bool = False
@@ -260,8 +80,7 @@ class ModelRunner:
         device. With `defer` (only for steps whose requests all sample plainly, one token each, with no
         drafts to verify and an idle proposer) the sampled ids stay on the device and `collect` fetches
         them later; otherwise the step is finished here."""
-        for req_id in sched.finished_req_ids:
-            self.generators.pop(req_id, None)
+        self.generators.forget(sched.finished_req_ids)
         if self.proposer is not None:
             self.proposer.begin_step(sched)
         step = LaunchedStep(sched)
@@ -272,7 +91,7 @@ class ModelRunner:
         self.copy_blocks(sched.block_copies)
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.device, staging=self.staging,
                                    prev_tokens=prev.pending if prev is not None else None)
-        hidden = self._forward(inputs)
+        hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.meta)
         if defer and inputs.logits_rows:
             if self.proposer is not None:  # idle this step: it only keeps its books
                 self.proposer.skip(sched)
@@ -281,7 +100,7 @@ class ModelRunner:
         if inputs.logits_rows:
             self._sample(inputs, hidden, out)
         if self.proposer is not None:  # also without logits: a draft model follows every prefill chunk
-            out.draft_token_ids = self.proposer.propose(self, sched, inputs, hidden, out)
+            out.draft_token_ids = self.proposer.propose(DraftStep(sched, out, hidden))
         step.result = out
         return step
 
@@ -322,32 +141,12 @@ class ModelRunner:
                     out.logprobs[req.request_id] = [lp]
         verify = [(s, row, count) for s, row, count in inputs.logits_rows if s.spec_token_ids]
         if verify:
-            self.rejection_sampler.verify(self, logits, verify, out)
-
-    def enable_cuda_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...] = (1,)
-                           ) -> None:
-        """Capture decode (and, with `query_lens` 1 + k, verification) step graphs for the target and a
-        draft model's decode steps (needs a graph-safe attention backend: triton)."""
-        from specserve.engine.cuda_graphs import DecodeGraphs
-
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
-                                   max_num_seqs, query_lens)
-        self.graphs.capture()
-        draft = getattr(self.proposer, "model", None)
-        if draft is not None and hasattr(self.proposer, "kv_caches"):
-            # its catch-up forwards (bonus token + accepted drafts) are 1 + k tokens at most, like a verification
-            self.proposer.graphs = DecodeGraphs(draft, self.proposer.kv_caches, self.device, self.block_size,
-                                                max_model_len, max_num_seqs, query_lens)
-            self.proposer.graphs.capture()
-
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(inputs.meta):
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        self.backend.prepare(inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            reqs = [s.request for s, _, _ in verify]
+            self.rejection_sampler.verify(logits, verify, [self._sampling_row(r) for r in reqs],
+                                          [self.proposer.draft_probs(r.request_id) for r in reqs], out)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         return SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                            output_token_ids=req.output_token_ids,
-                           generator=self._generator(req.request_id, req.sampling_params.seed),
+                           generator=self.generators.get(req.request_id, req.sampling_params.seed),
                            eos_token_ids=req.eos_token_ids)

@@ -30,7 +30,7 @@ from specserve.engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_lookahead_tokens: int = 0) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -39,7 +39,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
         # KV slots past the scheduled tokens a speculative proposer writes (a draft model's own drafts)
-        self.num_lookahead_tokens = 0
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.isolate: list[set[str]] = []
         self._reset_ids: set[str] = set()  # sent back to waiting by `reset`: reported as preempted
 

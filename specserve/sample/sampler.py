@@ -15,6 +15,30 @@ import torch
 from specserve.sampling_params import SamplingParams
 
 
+class RequestGenerators:
+    """One torch.Generator per seeded request, made on first use from its seed: target sampling, a
+    draft model's draws and the rejection sampler's uniforms all draw from it, in that order."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def get(self, req_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        g = self._generators.get(req_id)
+        if g is None:
+            g = self._generators[req_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return g
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self._generators.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._generators)
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """One logits row to sample: its request's params, token history and random generator."""

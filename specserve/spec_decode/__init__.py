@@ -1,7 +1,8 @@
 """Speculative decoding: proposers (n-gram lookup, draft model), adaptive k, the rejection sampler.
 
-The engine builds a proposer with `build_proposer` and a `RejectionSampler`, and hands both to the
-model runner; see docs/speculative.md for the whole picture.
+The engine builder makes a proposer with `build_proposer`, binds it (`Proposer.bind`: the executors
+it declared a need for), and gives it and a `RejectionSampler` to the model runner, which hands the
+proposer plain data every step (`DraftStep`); see proposer.py and docs/speculative.md.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import torch
 from specserve.config import SpecConfig
 from specserve.models.loader import LoadedModel
 from specserve.spec_decode.adaptive import AdaptiveK
-from specserve.spec_decode.proposer import Proposer
+from specserve.spec_decode.proposer import DraftStep, Proposer, ProposerBinding
 from specserve.spec_decode.rejection import RejectionSampler
 
-__all__ = ["AdaptiveK", "Proposer", "RejectionSampler", "build_proposer", "check_same_vocab",
-           "default_compute_bound_tokens"]
+__all__ = ["AdaptiveK", "DraftStep", "Proposer", "ProposerBinding", "RejectionSampler", "build_proposer",
+           "check_same_vocab", "default_compute_bound_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,5 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
         module.cfg.num_params / target.arch.num_params
     logger.info("draft model %s: %.0fM params, draft step ~%.2f target steps", spec.model,
                 module.cfg.num_params / 1e6, policy.draft_cost)
-    return DraftModelProposer(module, policy, identity=identity, dtype=target.dtype,
-                              num_speculative_tokens=spec.num_speculative_tokens,
+    return DraftModelProposer(module, policy, identity=identity, num_speculative_tokens=spec.num_speculative_tokens,
                               max_num_batched_tokens=max_num_batched_tokens)

@@ -35,6 +35,7 @@ from specserve.spec_decode.costs import StepCosts, measured_costs, profile_forwa
 from specserve.spec_decode.guard import RealizedGain
 
 if TYPE_CHECKING:
+    from specserve.engine.executor import ModelExecutor
     from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
     from specserve.engine.request import Request
 
@@ -93,13 +94,12 @@ class AdaptiveK:
     def remove(self, key: Hashable) -> None:
         self._est.pop(key, None)
 
-    def calibrate(self, runner, draft_model=None, draft_kv_caches=None) -> None:
+    def calibrate(self, target: ModelExecutor, draft: ModelExecutor | None = None) -> None:
         """Measure this machine's step costs with the target (and the draft model) before serving."""
-        times = profile_forward(runner.model, runner.kv_caches, runner.block_size, runner.device)
+        times = profile_forward(target)
         self.costs = measured_costs(times, self.compute_bound_tokens)
-        if draft_model is not None and self.measure_draft_cost:
-            draft = profile_forward(draft_model, draft_kv_caches, runner.block_size, runner.device, sizes=(1,))
-            self.draft_cost = draft[1] / times[1]
+        if draft is not None and self.measure_draft_cost:
+            self.draft_cost = profile_forward(draft, sizes=(1,))[1] / times[1]
 
     def step_started(self) -> None:
         """The target step begins (the runner's begin_step): start its clock."""

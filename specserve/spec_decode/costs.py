@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from specserve.engine.executor import ModelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -43,21 +47,19 @@ class StepCosts:
 
 
 @torch.inference_mode()
-def profile_forward(model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
-                    sizes: tuple[int, ...] = PROFILE_SIZES, reps: int = 3) -> dict[int, float]:
+def profile_forward(executor: ModelExecutor, sizes: tuple[int, ...] = PROFILE_SIZES, reps: int = 3
+                    ) -> dict[int, float]:
     """Seconds per forward (with logits for every token, as verification needs) of 1 request of N
     tokens, for N in `sizes`: the best of `reps`. Writes KV into the first blocks: call it before
     serving any request."""
-    from specserve.engine.model_runner import batch_metadata
+    device, block_size = executor.device, executor.block_size
 
     def once(n: int) -> float:
-        positions, meta = batch_metadata([n], [n], [list(range(-(-n // block_size)))], block_size, device)
         ids = torch.zeros(n, dtype=torch.long, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model.backend.prepare(meta)
-        model.compute_logits(model(ids, positions, kv_caches, meta))
+        executor.compute_logits(executor.forward_tokens(ids, [n], [n], [list(range(-(-n // block_size)))]))
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0

@@ -1,9 +1,9 @@
 """Draft-model proposer: a smaller causal LM of our family (same tokenizer) drafts k tokens.
 
-KV layout. The draft keeps its own KV tensor `[num_layers, 2, num_blocks, block_size, kv_heads,
-head_dim]` over the SAME block ids as the target: a request's block table addresses the target's
-KV and the draft's KV for the same tokens, copy-on-write copies both (the runner's
-`block_tensors`), and a prefix-cache hit skips the draft's prefill as well as the target's. For
+KV layout. The draft runs through a ModelExecutor of its own (engine/executor.py: the engine builder
+makes it from `draft_model`), whose KV tensor lives over the SAME block ids as the target's: a
+request's block table addresses the target's KV and the draft's KV for the same tokens, copy-on-write
+copies both, and a prefix-cache hit skips the draft's prefill as well as the target's. For
 that to hold, the draft runs over every token the target computes, in the same step (prefill chunks
 included): a block registered in the prefix index always holds the draft's KV for its tokens too.
 
@@ -28,53 +28,50 @@ from __future__ import annotations
 
 import logging
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
-from specserve.engine.model_runner import batch_metadata
-from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from specserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import draw, probs_for
 from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step
+from specserve.spec_decode.proposer import DraftStep, ProposerBinding
+
+if TYPE_CHECKING:
+    from specserve.engine.executor import ModelExecutor
+    from specserve.sample.sampler import RequestGenerators
 
 logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
-    def __init__(self, model: LlamaForCausalLM, policy: AdaptiveK, *, identity: tuple, dtype: torch.dtype,
+    def __init__(self, model: LlamaForCausalLM, policy: AdaptiveK, *, identity: tuple,
                  num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
         """`model`: a loaded draft (or an already-built one, e.g. the target's weights quantized);
         `identity`: what distinguishes its KV in the prefix-cache hash (path, dtype, quantization)."""
-        self.model = model
+        self.draft_model = model
         self.policy = policy
-        self.dtype = dtype  # KV dtype: the target's activation dtype
         self.cache_identity = ("draft", *identity)
         self.num_lookahead_tokens = num_speculative_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = 0
-        self.kv_cache: torch.Tensor | None = None
+        self.executor: ModelExecutor | None = None  # set by bind
+        self.generators: RequestGenerators | None = None
         self._computed: dict[str, int] = {}
         self._probs: dict[str, torch.Tensor | None] = {}  # q of the current drafts; None = greedy
         self._stale = np.zeros(0, dtype=bool)
         self.block_size = 0
-        self.graphs = None  # the draft's decode-step CUDA graphs (ModelRunner.enable_cuda_graphs)
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.model.cfg.kv_bytes_per_token(elem) * block_size
-
-    def bind(self, runner, max_model_len: int) -> None:
-        cfg = self.model.cfg
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, runner.num_blocks, runner.block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, dtype=self.dtype, device=runner.device)
-        self.kv_caches = list(self.kv_cache.unbind(0))
-        runner.block_tensors.append(self.kv_cache)  # copy-on-write copies the draft's KV too
-        self.model.backend = runner.backend
-        self.block_size = runner.block_size
-        self.max_model_len = max_model_len
-        self._stale = np.zeros(runner.num_blocks, dtype=bool)
+    def bind(self, binding: ProposerBinding) -> None:
+        assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
+        self.executor, self.generators = binding.draft, binding.generators
+        self.block_size = binding.draft.block_size
+        self.max_model_len = binding.max_model_len
+        self._stale = np.zeros(binding.draft.kv_cache.shape[2], dtype=bool)
         if self.policy.profile_on_bind:
-            self.policy.calibrate(runner, self.model, self.kv_caches)
+            self.policy.calibrate(binding.target, binding.draft)
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
@@ -112,8 +109,8 @@ class DraftModelProposer:
 
     # -- the step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, runner, sched: SchedulerOutput, inputs, hidden: torch.Tensor,
-                out: ModelRunnerOutput) -> dict[str, list[int]]:
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        sched, out = step.sched, step.out
         slots = {s.sched.request.request_id: s for s in
                  plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens)}
         for req_id in slots:
@@ -129,7 +126,7 @@ class DraftModelProposer:
                 segments.append((s, self._done(s, verified), verified, slot))
         if not run:
             return {}
-        drafts = self._run(runner, segments)
+        drafts = self._run(segments)
         for s, done, verified, _ in segments:
             self._mark(s.block_ids, done, verified, stale=False)
         return drafts
@@ -145,9 +142,10 @@ class DraftModelProposer:
         if end > start:
             self._stale[block_ids[start // self.block_size:-(-end // self.block_size)]] = stale
 
-    def _run(self, runner, segments: list[tuple]) -> dict[str, list[int]]:
+    def _run(self, segments: list[tuple]) -> dict[str, list[int]]:
         """Catch-up forward over all segments (first drafts from its logits), then k - 1 more steps."""
-        device = runner.device
+        executor = self.executor
+        device = executor.device
         input_ids: list[int] = []
         query_lens, seq_lens, tables, last_rows = [], [], [], []
         proposing: list[DraftSlot] = []
@@ -168,10 +166,10 @@ class DraftModelProposer:
                 ends.append(end)
         if not query_lens:
             return {}
-        hidden = self._forward(input_ids, query_lens, seq_lens, tables, runner.block_size, device)
+        hidden = executor.forward_tokens(input_ids, query_lens, seq_lens, tables)
         if not proposing:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=device)])  # [P, V]
+        logits = executor.compute_logits(hidden[torch.tensor(last_rows, device=device)])  # [P, V]
         ks = [slot.k for slot in proposing]
         max_k = max(ks)
         tokens = torch.zeros(len(proposing), max_k, dtype=torch.long, device=device)  # [P, K]
@@ -180,13 +178,11 @@ class DraftModelProposer:
         for j in range(max_k):
             if j > 0:  # feed draft j-1 at position end - 1 + j
                 active = [i for i in active if ks[i] > j]
-                hidden = self._forward(tokens[active, j - 1], [1] * len(active),
-                                       [ends[i] + j for i in active],
-                                       [proposing[i].sched.block_ids for i in active],
-                                       runner.block_size, device)
-                logits = self.model.compute_logits(hidden)
-            tokens[active, j] = self._sample(runner, logits, [proposing[i] for i in active],
-                                             [probs[i] for i in active])
+                hidden = executor.forward_tokens(tokens[active, j - 1], [1] * len(active),
+                                                 [ends[i] + j for i in active],
+                                                 [proposing[i].sched.block_ids for i in active])
+                logits = executor.compute_logits(hidden)
+            tokens[active, j] = self._sample(logits, [proposing[i] for i in active], [probs[i] for i in active])
         drafts: dict[str, list[int]] = {}
         for i, (slot, row) in enumerate(zip(proposing, tokens.tolist())):
             req_id = slot.sched.request.request_id
@@ -195,25 +191,14 @@ class DraftModelProposer:
             self._probs[req_id] = torch.stack(probs[i]) if probs[i] else None
         return drafts
 
-    def _forward(self, input_ids, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
-                 block_size: int, device: torch.device) -> torch.Tensor:
-        """input_ids: list or [T] tensor -> draft hidden states [T, hidden]."""
-        positions, meta = batch_metadata(query_lens, seq_lens, tables, block_size, device)
-        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, device=device)
-        if self.graphs is not None and self.graphs.can_run(meta):
-            return self.graphs.run(ids, positions, meta)
-        self.model.backend.prepare(meta)
-        return self.model(ids, positions, self.kv_caches, meta)
-
-    @staticmethod
-    def _sample(runner, logits: torch.Tensor, slots: list[DraftSlot], probs: list[list[torch.Tensor]]
+    def _sample(self, logits: torch.Tensor, slots: list[DraftSlot], probs: list[list[torch.Tensor]]
                 ) -> torch.Tensor:
         """One draft token per row of logits [N, V]; random requests keep the q they drew from."""
         params = [slot.sched.request.sampling_params for slot in slots]
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
         q = probs_for(logits, params)  # [N, V], one-hot for greedy rows
-        gens = [None if p.greedy else runner._generator(slot.sched.request.request_id, p.seed)
+        gens = [None if p.greedy else self.generators.get(slot.sched.request.request_id, p.seed)
                 for slot, p in zip(slots, params)]
         out = draw(q, gens)
         for i, p in enumerate(params):

@@ -13,9 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from specserve.engine.outputs import SchedulerOutput
 from specserve.engine.request import Request
 from specserve.spec_decode.adaptive import AdaptiveK, nothing_to_draft, sampled_slots
+from specserve.spec_decode.proposer import DraftStep, ProposerBinding
 
 
 def find_ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarray, int]:
@@ -75,6 +76,7 @@ class _Context:
 class NgramProposer:
     num_lookahead_tokens = 0
     cache_identity = None
+    draft_model = None
 
     def __init__(self, policy: AdaptiveK, *, prompt_lookup_min: int, prompt_lookup_max: int,
                  max_num_batched_tokens: int) -> None:
@@ -89,13 +91,10 @@ class NgramProposer:
         self._contexts: dict[str, _Context] = {}
         self._match_len: dict[str, int] = {}  # the match length of each request's current drafts
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return 0
-
-    def bind(self, runner, max_model_len: int) -> None:
-        self.max_model_len = max_model_len
+    def bind(self, binding: ProposerBinding) -> None:
+        self.max_model_len = binding.max_model_len
         if self.policy.profile_on_bind:
-            self.policy.calibrate(runner)
+            self.policy.calibrate(binding.target)
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -103,8 +102,8 @@ class NgramProposer:
             self._match_len.pop(req_id, None)
         self.policy.step_started()
 
-    def propose(self, runner, sched: SchedulerOutput, inputs, hidden: torch.Tensor,
-                out: ModelRunnerOutput) -> dict[str, list[int]]:
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        sched, out = step.sched, step.out
         # the step's forward and verification are done: its time corrects the policy's cost model
         num_tokens = sum(s.num_tokens for s in sched.scheduled)
         num_drafts = sum(len(s.spec_token_ids) for s in sched.scheduled)

@@ -1,23 +1,51 @@
-"""The `Proposer` protocol: what the model runner asks of a draft source every step.
+"""The `Proposer` protocol: the one seam between the engine and a draft source.
 
-A proposer is owned by the model runner. Every step the runner calls `begin_step(sched)` first
-(before any early return, so finished and preempted requests are always forgotten), runs the target
-forward, samples / verifies, and then calls `propose(...)` to get the drafts the NEXT step verifies.
+A proposer never sees the model runner. It declares what it needs as attributes (extra KV slots, a
+draft model whose KV the engine keeps under the same block ids, a prefix-cache identity); the engine
+builder provides it (`ProposerBinding`: executors, the request generators, sizes), and every step
+the runner hands it plain data:
 
-Drafts are proposed for requests that sampled this step, from their context *after* this step's
-tokens (`request.all_token_ids + out.sampled_token_ids[req_id]`: the runner calls the proposer
-before the scheduler appends them). The scheduler may still shorten a draft (token budget,
-max_tokens); drafts are always used as a prefix, so per-position draft probabilities stay valid.
+1. `begin_step(sched)` first (before any early return, so finished and preempted requests are always
+   forgotten, and copy-on-write copies followed);
+2. after the target forward and sampling / verification, `propose(DraftStep)`: drafts for the NEXT
+   step, for requests that sampled this step, from their context *after* this step's tokens
+   (`request.all_token_ids + step.out.sampled_token_ids[req_id]`: the scheduler appends them later).
+   The scheduler may still shorten a draft (token budget, max_tokens); drafts are always used as a
+   prefix, so per-position draft probabilities stay valid;
+3. or, on a step the engine left in flight because `idle(sched)` said no draft could pay,
+   `skip(sched)` instead of `propose`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from specserve.engine.model_runner import ModelRunner, StepInputs
+    from specserve.engine.executor import ModelExecutor
     from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+    from specserve.models.llama import LlamaForCausalLM
+    from specserve.sample.sampler import RequestGenerators
+
+
+@dataclass(slots=True)
+class ProposerBinding:
+    """What the engine gives a proposer once, before the first step."""
+
+    target: ModelExecutor  # the target's executor (a start-up cost profile runs through it)
+    draft: ModelExecutor | None  # the executor of the proposer's `draft_model`, if it declared one
+    generators: RequestGenerators  # per-request generators, shared with the target's sampling
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class DraftStep:
+    """One finished step, as a proposer sees it."""
+
+    sched: SchedulerOutput
+    out: ModelRunnerOutput  # this step's sampled tokens and acceptance counts
+    hidden: torch.Tensor  # [num_tokens, hidden_size]: the target's last hidden states of this step
 
 
 class Proposer(Protocol):
@@ -28,19 +56,17 @@ class Proposer(Protocol):
     num_lookahead_tokens: int
     #: added to the prefix-cache block hash extra keys (the draft model's identity), or None.
     cache_identity: tuple | None
+    #: a model the engine must run over the shared block ids (KV, graphs), or None.
+    draft_model: LlamaForCausalLM | None
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of proposer KV per cache block (0 if it keeps none): sizes the shared pool."""
-
-    def bind(self, runner: ModelRunner, max_model_len: int) -> None:
-        """Attach to the runner (allocate KV over the runner's block ids, register it for copies)."""
+    def bind(self, binding: ProposerBinding) -> None:
+        """Called once by the engine builder, before the first step."""
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         """Forget finished and preempted requests; follow the step's copy-on-write block copies."""
 
-    def propose(self, runner: ModelRunner, sched: SchedulerOutput, inputs: StepInputs,
-                hidden: torch.Tensor, out: ModelRunnerOutput) -> dict[str, list[int]]:
-        """Drafts for the next step, per request. hidden: [num_tokens, hidden_size] (unused so far)."""
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        """Drafts for the next step, per request id."""
 
     def idle(self, sched: SchedulerOutput) -> bool:
         """True when `propose` after this step (which verifies no drafts) would return no drafts

@@ -66,14 +66,14 @@ class RejectionSampler:
         self.simulated_acceptance = simulated_acceptance
         self._sim_generator = torch.Generator().manual_seed(seed)
 
-    def verify(self, runner, logits: torch.Tensor, verify_rows: Sequence[tuple], out: ModelRunnerOutput) -> None:
+    def verify(self, logits: torch.Tensor, verify_rows: Sequence[tuple], rows: Sequence[SamplingRow],
+               draft_probs: Sequence[torch.Tensor | None], out: ModelRunnerOutput) -> None:
         """Model-runner entry point. logits: [num_logits, V] fp32; verify_rows: (ScheduledRequest,
-        first row, 1 + k) for the requests with drafts. Fills sampled tokens and acceptance counts."""
-        reqs = []
-        for s, first_row, count in verify_rows:
-            q = runner.proposer.draft_probs(s.request.request_id) if runner.proposer is not None else None
-            reqs.append(VerifyRequest(first_row, s.spec_token_ids, runner._sampling_row(s.request),
-                                      None if q is None else q[:count - 1]))
+        first row, 1 + k) for the requests with drafts, with their sampling rows and the draft
+        probabilities q their drafts were drawn from (None: deterministic drafts). Fills sampled
+        tokens and acceptance counts into `out`."""
+        reqs = [VerifyRequest(first_row, s.spec_token_ids, row, None if q is None else q[:count - 1])
+                for (s, first_row, count), row, q in zip(verify_rows, rows, draft_probs)]
         result = self.sample(logits, reqs)
         for (s, _, _), token_ids, num_accepted, lps in zip(verify_rows, result.token_ids,
                                                            result.num_accepted, result.logprobs):

@@ -55,7 +55,7 @@ def chat_answers(llm: LLM) -> tuple[list[list[int]], list[str], list[list[int]]]
 def teacher_forced_argmax(llm: LLM, prompt_ids: list[int], continuation: list[int]) -> list[int]:
     """The model's argmax at every position of prompt + continuation, in one forward (the
     continuation rides along as 'drafts', so the runner returns logits for each of its positions)."""
-    from specserve.engine.model_runner import build_step_inputs
+    from specserve.engine.step_inputs import build_step_inputs
     from specserve.engine.outputs import ScheduledRequest
     from specserve.engine.request import Request
 
@@ -65,9 +65,8 @@ def teacher_forced_argmax(llm: LLM, prompt_ids: list[int], continuation: list[in
     blocks = list(range(-(-num // runner.block_size)))
     sched = ScheduledRequest(req, 0, num, list(continuation), blocks, True)
     inputs = build_step_inputs([sched], runner.block_size, runner.device)
-    runner.backend.prepare(inputs.meta)
-    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
-    return runner.model.compute_logits(hidden[inputs.logits_indices]).argmax(-1).tolist()[:-1]
+    hidden = runner.target.forward(inputs.input_ids, inputs.positions, inputs.meta)
+    return runner.target.compute_logits(hidden[inputs.logits_indices]).argmax(-1).tolist()[:-1]
 
 
 def agreement(base: LLM, other: LLM) -> dict:

@@ -23,15 +23,15 @@ def self_draft_llm(model_dir, k: int = 3, **args) -> LLM:
 
 def record_draft_queries(llm: LLM) -> list[list[int]]:
     """Wrap the draft's forward to record each call's per-request query lengths."""
-    proposer = llm.engine.proposer
+    executor = llm.engine.proposer.executor
     calls: list[list[int]] = []
-    forward = proposer._forward
+    forward = executor.forward_tokens
 
     def spy(input_ids, query_lens, *rest):
         calls.append(list(query_lens))
         return forward(input_ids, query_lens, *rest)
 
-    proposer._forward = spy
+    executor.forward_tokens = spy
     return calls
 
 
@@ -137,5 +137,5 @@ def test_an_already_built_model_can_be_the_draft(tiny_llama_dir):
     spec = SpecConfig(method="draft_model", model="self-test", num_speculative_tokens=2)
     proposer = build_proposer(spec, target=target, device=torch.device("cpu"), max_positions=512,
                               max_num_batched_tokens=64, draft_model=module)
-    assert proposer.model is module and proposer.cache_identity[:2] == ("draft", "self-test")
+    assert proposer.draft_model is module and proposer.cache_identity[:2] == ("draft", "self-test")
     assert proposer.num_lookahead_tokens == 2

@@ -21,6 +21,7 @@ class AdversarialProposer:
     rejected at the first draft), `random` (a random accepted prefix, then garbage)."""
 
     cache_identity = None
+    draft_model = None
 
     def __init__(self, mode: str, reference: dict[tuple, list[int]], lookahead: int, seed: int = 0) -> None:
         self.mode = mode
@@ -28,10 +29,7 @@ class AdversarialProposer:
         self.num_lookahead_tokens = lookahead
         self.rng = random.Random(seed)
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return 0
-
-    def bind(self, runner, max_model_len: int) -> None:
+    def bind(self, binding) -> None:
         pass
 
     def begin_step(self, sched) -> None:
@@ -40,7 +38,11 @@ class AdversarialProposer:
     def draft_probs(self, req_id: str):
         return None
 
-    def propose(self, runner, sched, inputs, hidden, out) -> dict[str, list[int]]:
+    def idle(self, sched) -> bool:
+        return False
+
+    def propose(self, step) -> dict[str, list[int]]:
+        sched, out = step.sched, step.out
         drafts = {}
         for s in sched.scheduled:
             new_ids = out.sampled_token_ids.get(s.request.request_id)
@@ -76,7 +78,7 @@ def test_adversarial_drafts_leak_nothing(tiny_llama_dir, workload, mode, lookahe
     llm = LLM(str(tiny_llama_dir), **ENGINE_ARGS,
               speculative_config=dict(method="ngram", num_speculative_tokens=K))
     engine = llm.engine
-    engine.runner.proposer = AdversarialProposer(mode, reference, lookahead)
+    engine.runner.proposer = engine.proposer = AdversarialProposer(mode, reference, lookahead)
     engine.scheduler.num_lookahead_tokens = lookahead
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     for i, p in enumerate(prompts):

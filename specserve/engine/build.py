@@ -1,0 +1,174 @@
+"""The engine builder: load the target -> the proposer (and its draft model) -> KV sizing -> executors,
+KV cache manager, scheduler, model runner, CUDA graphs. Each collaborator gets what it needs in its
+constructor (or, for a proposer, in `bind`); nothing is patched in afterwards, and the caller's
+config is left alone: `EngineParts.config` is the resolved copy (with the final max_model_len).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.cache.kv_cache_manager import KVCacheManager
+from specserve.config import EngineConfig
+from specserve.engine.executor import ModelExecutor
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.scheduler import Scheduler
+from specserve.models.layers.attention import get_attention_backend
+from specserve.models.loader import LoadedModel, load_model
+from specserve.quant.bnb import cuda_graph_safe
+from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, format_bytes, weight_memory
+from specserve.sample.sampler import RequestGenerators
+from specserve.spec_decode.proposer import Proposer, ProposerBinding
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    config: EngineConfig  # resolved: scheduler.max_model_len is the final context length
+    device: torch.device
+    loaded: LoadedModel
+    model_name: str
+    proposer: Proposer | None
+    weight_memory: WeightMemory  # the target's
+    weight_bytes: int  # target + draft
+    draft_weight_bytes: int
+    kv_cache_bytes: int
+    kv_manager: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but no CUDA GPU is available")
+    return dev
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    device = resolve_device(config.device)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    mc, cc, sc = config.model, config.cache, config.scheduler
+    loaded, model_name = _load_target(config, device)
+    proposer = _build_proposer(config, loaded, device)
+    draft = proposer.draft_model if proposer is not None else None
+    target_memory = weight_memory(loaded.model)
+    weight_bytes = weight_memory(loaded.model, draft).total if draft is not None else target_memory.total
+    if draft is not None:  # a self-draft shares the target's tensors: count what it adds
+        logger.info("draft %s adds %s of weights (%s in all)", config.spec.model,
+                    format_bytes(weight_bytes - target_memory.total), format_bytes(weight_bytes))
+
+    block_bytes = sum(ModelExecutor.kv_bytes_per_block(m, cc.block_size, loaded.dtype)
+                      for m in (loaded.model, draft) if m is not None)  # a draft's KV lives in the same blocks
+    max_len, num_blocks = _size_kv(config, loaded, device, block_bytes)
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(sc, max_model_len=max_len))
+
+    identity = (loaded.path, str(loaded.dtype), loaded.quantization or "")
+    if proposer is not None and proposer.cache_identity:
+        identity += (proposer.cache_identity,)
+    kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, extra_keys=identity)
+    scheduler = Scheduler(config.scheduler, kv_manager,
+                          num_lookahead_tokens=proposer.num_lookahead_tokens if proposer is not None else 0)
+    backend = get_attention_backend(config.attention_backend, device)
+    executors = [ModelExecutor(m, backend, device, loaded.dtype, cc.block_size, num_blocks)
+                 for m in (loaded.model, draft) if m is not None]
+    generators = RequestGenerators(device)
+    rejection = None
+    if proposer is not None:
+        from specserve.spec_decode.rejection import RejectionSampler
+
+        proposer.bind(ProposerBinding(executors[0], executors[1] if draft is not None else None, generators,
+                                      max_len))
+        rejection = RejectionSampler(config.spec.simulated_acceptance, seed=mc.seed)
+    runner = ModelRunner(executors, generators, proposer, rejection, seed=mc.seed)
+    if device.type == "cuda" and not config.enforce_eager and backend.name == "triton" \
+            and cuda_graph_safe(loaded.model, draft):
+        k = config.spec.num_speculative_tokens if config.spec else 0
+        # a draft's catch-up forwards (bonus token + accepted drafts) are 1 + k tokens at most too
+        for executor in executors:
+            executor.capture_graphs(max_len, sc.max_num_seqs, (1, 1 + k))
+    logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, attention %s", num_blocks,
+                cc.block_size, format_bytes(num_blocks * block_bytes), max_len, backend.name)
+    return EngineParts(config, device, loaded, model_name, proposer, target_memory, weight_bytes,
+                       weight_bytes - target_memory.total, num_blocks * block_bytes, kv_manager, scheduler, runner)
+
+
+def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedModel, str]:
+    mc = config.model
+    t0 = time.perf_counter()
+    model_path = mc.model
+    if model_path is None:
+        from specserve.models.default_model import ensure_default_model
+        model_path = str(ensure_default_model())
+    loaded = load_model(model_path, dtype=mc.dtype, device=device, load_format=mc.load_format,
+                        max_positions=mc.max_model_len, seed=mc.seed, quantization=mc.quantization,
+                        quantize_embeddings=mc.quantize_embeddings)
+    mem = weight_memory(loaded.model)  # quantized storage counted as stored, tied weights once
+    quant = "" if not loaded.quantization else (
+        f"; {loaded.quantization}: {mem.num_quantized_layers} quantized layers {format_bytes(mem.quantized)} "
+        f"incl. scales, unquantized {format_bytes(mem.unquantized)}")
+    logger.info("loaded %s (%s, %s of weights%s) in %.1fs", model_path, loaded.dtype, format_bytes(mem.total),
+                quant, time.perf_counter() - t0)
+    return loaded, model_path
+
+
+def _build_proposer(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> Proposer | None:
+    if config.spec is None:
+        return None
+    from specserve.spec_decode import build_proposer
+
+    mc = config.model
+    return build_proposer(config.spec, target=loaded, device=device, seed=mc.seed,
+                          max_positions=mc.max_model_len or loaded.arch.max_position_embeddings,
+                          max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+
+
+def _size_kv(config: EngineConfig, loaded: LoadedModel, device: torch.device, block_bytes: int
+             ) -> tuple[int, int]:
+    """(max_model_len, num_blocks): the KV cache from its memory budget, the context length it allows."""
+    mc, cc, arch = config.model, config.cache, loaded.arch
+    max_len = mc.max_model_len or arch.max_position_embeddings
+    if max_len > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's {arch.max_position_embeddings}")
+    num_blocks = cc.num_kv_blocks or _auto_num_blocks(config, loaded, device, block_bytes)
+    if num_blocks * cc.block_size < max_len:
+        if mc.max_model_len:
+            raise ValueError(f"max_model_len {max_len} needs {-(-max_len // cc.block_size)} KV blocks, "
+                             f"the cache has {num_blocks}; lower --max-model-len or give the cache more memory")
+        max_len = num_blocks * cc.block_size
+        logger.warning("max_model_len lowered to %d to fit the KV cache", max_len)
+    return max_len, num_blocks
+
+
+def _auto_num_blocks(config: EngineConfig, loaded: LoadedModel, device: torch.device, block_bytes: int) -> int:
+    if device.type == "cuda":
+        gc.collect()  # an engine dropped just before (benchmarks) frees its KV cache now
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(device)
+        # memory this process's allocator holds but does not use is available to us
+        used = total - free - (torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+        sc, arch = config.scheduler, loaded.arch
+        # activations of one step: hidden/qkv/mlp intermediates and the fp32 logits
+        act = sc.max_num_batched_tokens * (4 * arch.hidden_size + 3 * arch.intermediate_size) * 4
+        act += sc.max_num_seqs * 8 * arch.vocab_size * 4
+        act += dequant_workspace_bytes(loaded.model, loaded.dtype)  # bnb 4-bit matmuls
+        budget = total * config.cache.gpu_memory_utilization - used - act
+    else:
+        budget = config.cache.kv_cache_memory
+    num = int(budget // block_bytes)
+    if num < 1:
+        raise ValueError("no memory left for the KV cache: lower the model size or raise "
+                         "--gpu-memory-utilization / --kv-cache-memory")
+    return num

@@ -1,0 +1,66 @@
+"""ModelExecutor: one model running over the engine's KV block ids — its KV tensor, its forward (a
+captured CUDA graph where one holds the step, eager otherwise), and a forward over token lists for
+callers without a scheduled step. The model runner runs the target through one; the builder gives a
+draft model one of its own, so target and draft share every mechanism (KV allocation, bytes per
+block, metadata, graphs) and differ only in their weights.
+
+KV layout: one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; a block id
+indexes the same slots in every layer, and in every executor's tensor (copy-on-write copies them all).
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.step_inputs import HostStaging, batch_metadata
+from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.models.llama import LlamaForCausalLM
+
+
+class ModelExecutor:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
+                 dtype: torch.dtype, block_size: int, num_blocks: int) -> None:
+        self.model = model
+        model.backend = backend
+        self.backend = backend
+        self.device = device
+        self.block_size = block_size
+        cfg = model.cfg
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=dtype, device=device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.graphs = None  # DecodeGraphs once captured
+        self.staging = HostStaging(device)
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+        return model.cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...]) -> None:
+        """CUDA graphs for steps whose requests compute at most max(query_lens) tokens each."""
+        from specserve.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
+                                   max_num_seqs, query_lens)
+        self.graphs.capture()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(input_ids, positions, meta)
+        self.backend.prepare(meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def forward_tokens(self, input_ids: list[int] | torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                       tables: list[list[int]]) -> torch.Tensor:
+        """A ragged batch given as lists: request i computes the last query_lens[i] of its seq_lens[i]
+        tokens (KV in blocks tables[i]); input_ids: list or [T] tensor -> hidden [T, hidden_size]."""
+        positions, meta = batch_metadata(query_lens, seq_lens, tables, self.block_size, self.device,
+                                         staging=self.staging)
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else \
+            torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        return self.forward(ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> fp32 logits [N, vocab]."""
+        return self.model.compute_logits(hidden)
