@@ -49,7 +49,7 @@ def bench_specserve(args) -> dict:
     result = {"weight_bytes": llm.engine.weight_bytes, "kv_cache_bytes": llm.engine.kv_cache_bytes,
               "cuda_graphs": llm.engine.runner.graphs is not None,
               "async_scheduling": llm.engine.async_scheduling,
-              "attention_backend": llm.engine.runner.backend.name}
+              "attention_backend": llm.engine.runner.target.backend.name}
     llm.generate([{"prompt_token_ids": p} for p in prompts(4, args.prompt_len, vocab, 99)], params)  # warm-up
 
     # batch 1: decode tokens/s between the first and the last token (prefill excluded), median of runs

@@ -49,7 +49,6 @@ class LLMEngine:
         self.draft_weight_bytes, self.kv_cache_bytes = parts.draft_weight_bytes, parts.kv_cache_bytes
         self.max_model_len = parts.config.scheduler.max_model_len
         self.kv_manager, self.scheduler, self.runner = parts.kv_manager, parts.scheduler, parts.runner
-        self.proposer = parts.proposer  # speculative decoding: the draft source (specserve.spec_decode)
         spec = parts.config.spec
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self.eos_token_ids = frozenset(parts.loaded.eos_token_ids)
@@ -63,6 +62,11 @@ class LLMEngine:
         self.isolation = StepIsolation(self)
         self._step_req_ids: set[str] | None = None
         self._step_sampled: set[str] = set()
+
+    @property
+    def proposer(self):
+        """The draft source (specserve.spec_decode.Proposer) the runner uses, or None."""
+        return self.runner.proposer
 
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -78,7 +78,7 @@ def test_adversarial_drafts_leak_nothing(tiny_llama_dir, workload, mode, lookahe
     llm = LLM(str(tiny_llama_dir), **ENGINE_ARGS,
               speculative_config=dict(method="ngram", num_speculative_tokens=K))
     engine = llm.engine
-    engine.runner.proposer = engine.proposer = AdversarialProposer(mode, reference, lookahead)
+    engine.runner.proposer = AdversarialProposer(mode, reference, lookahead)
     engine.scheduler.num_lookahead_tokens = lookahead
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     for i, p in enumerate(prompts):
