@@ -14,42 +14,21 @@ kernel configs (tile, warps, stages, split-K) and records them, to re-tune atten
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
-import sys
 import time
-import types
 from functools import partial
 
 import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+# the editable install maps kernels/ to specserve.kernels; bench/gpu_suite.sh links it on the bare machine
+import specserve.kernels as K
+from specserve.models.layers.attention import AttentionMetadata
+from specserve.models.layers.torch_attn import TorchAttentionBackend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _import_kernels():
-    try:
-        import specserve.kernels as kernels
-    except ImportError:  # bare checkout without the engine's dependencies: load kernels/ alone
-        for name in [m for m in sys.modules if m == "specserve" or m.startswith("specserve.")]:
-            del sys.modules[name]
-        pkg = types.ModuleType("specserve")
-        pkg.__path__ = [str(ROOT / "specserve")]
-        sys.modules["specserve"] = pkg
-        spec = importlib.util.spec_from_file_location("specserve.kernels", ROOT / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "kernels")])
-        kernels = importlib.util.module_from_spec(spec)
-        sys.modules["specserve.kernels"] = kernels
-        spec.loader.exec_module(kernels)
-    return kernels
-
-
-K = _import_kernels()
-import triton  # noqa: E402
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
-
-from specserve.models.layers.attention import AttentionMetadata  # noqa: E402
-from specserve.models.layers.torch_attn import TorchAttentionBackend  # noqa: E402
 
 H, KVH, D, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
 INTERMEDIATE = 14336  # Llama-3.1-8B MLP

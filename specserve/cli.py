@@ -10,18 +10,10 @@ import logging
 import sys
 from typing import Any
 
+# Only torch-free modules at the top: `specserve --help` and flag errors must not wait for torch;
+# the command functions import the engine.
 from specserve.config import DTYPES, LOAD_FORMATS
-
-
-def _bytes(value: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    v = value.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if v and v[-1] in units:
-            return int(float(v[:-1]) * units[v[-1]])
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {value!r} (e.g. 2G, 512M)") from None
+from specserve.utils import parse_size
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +27,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size in blocks")
-    g.add_argument("--kv-cache-memory", type=_bytes, default=1 << 30, help="KV cache bytes on the CPU")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30, help="KV cache bytes on the CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--quantization", choices=["bitsandbytes-int8", "bitsandbytes-nf4"], default=None)
@@ -71,11 +63,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specserve import LLM, SamplingParams
+    from specserve.sampling_params import SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    # bad sampling flags fail here, before the model loads
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.sample_seed)
+    from specserve.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
     if args.raw or llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
         outs = llm.generate(args.prompt, params)
     else:

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.quant.names import is_self_draft, parse_self_draft  # torch-free
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "bitsandbytes-int8", "bitsandbytes-nf4")
 LOAD_FORMATS = ("auto", "dummy")
@@ -107,7 +109,6 @@ class SpecConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"draft quantization {self.quantization!r} is not supported")
         if self.method == "draft_model":
-            from specserve.quant.self_draft import is_self_draft, parse_self_draft
             if is_self_draft(self.model):  # the target's own weights: self-nf4 -> quantization nf4
                 self.quantization = parse_self_draft(self.model, self.quantization)
         if self.simulated_acceptance is not None and not 0.0 <= self.simulated_acceptance <= 1.0:

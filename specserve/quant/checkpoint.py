@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specserve.quant.bnb import INT8, NF4
+from specserve.quant.names import INT8, NF4
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def source_quantization(model_path: str | Path) -> str | None:
             return json.loads(marker.read_text()).get("source_quantization") or None
         except (json.JSONDecodeError, AttributeError):
             logger.warning("ignoring unreadable %s", marker)
-    from specserve.models.default_model import GGUF_NAME, default_model_dir
+    from specserve.models.default_paths import GGUF_NAME, default_model_dir
 
     try:
         if path.resolve() == default_model_dir().resolve():

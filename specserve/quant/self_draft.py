@@ -16,27 +16,10 @@ import logging
 import torch
 from torch import nn
 
-from specserve.quant.bnb import INT8, NF4
+# the names live torch-free in quant/names.py (configs check them); imported from here too
+from specserve.quant.names import SELF_DRAFT_NAMES, is_self_draft, parse_self_draft  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-SELF_DRAFT_NAMES = {"self": None, "self-int8": INT8, "self-nf4": NF4}
-
-
-def is_self_draft(model: str | None) -> bool:
-    return isinstance(model, str) and model.lower() in SELF_DRAFT_NAMES
-
-
-def parse_self_draft(model: str, quantization: str | None) -> str | None:
-    """The draft quantization of a self-draft name ('self-nf4' -> 'bitsandbytes-nf4'); `quantization`
-    (--draft-quantization) may repeat it or complete a bare 'self', not contradict it."""
-    if not is_self_draft(model):
-        raise ValueError(f"{model!r} is not a self-draft; use one of {', '.join(SELF_DRAFT_NAMES)}")
-    named = SELF_DRAFT_NAMES[model.lower()]
-    if named is not None and quantization is not None and quantization != named:
-        raise ValueError(f"--draft-model {model} already says {named}; drop --draft-quantization "
-                         f"{quantization} or use --draft-model self --draft-quantization {quantization}")
-    return named or quantization
 
 
 def build_self_draft(target: nn.Module | str, method: str | None, **load_kwargs) -> nn.Module:

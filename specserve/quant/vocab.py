@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.quant.bnb import INT8, NF4_BLOCKSIZE
+from specserve.quant.bnb import NF4_BLOCKSIZE
+from specserve.quant.names import INT8
 
 
 class QuantizedVocab(nn.Module):

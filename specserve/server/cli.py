@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specserve.cli import _bytes, add_engine_args, engine_kwargs
+from specserve.cli import add_engine_args, engine_kwargs
+from specserve.utils import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="most prompts one completions request may hold (default 256)")
     g.add_argument("--max-sequences-per-request", type=int, default=256,
                    help="most sequences (prompts x n) one request may hold (default 256)")
-    g.add_argument("--max-frame-size", type=_bytes, default=1 << 20,
+    g.add_argument("--max-frame-size", type=parse_size, default=1 << 20,
                    help="largest WebSocket frame / HTTP body accepted, e.g. 1M (default 1 MiB)")
     g.add_argument("--served-model-name", default=None, help="the name clients use in `model`")
     add_engine_args(p)

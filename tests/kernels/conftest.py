@@ -1,44 +1,26 @@
 """Kernel tests: real GPU when there is one, else the Triton interpreter on tiny cases.
 
 TRITON_INTERPRET must be set before `@triton.jit` decorates our kernels, i.e. before
-`specserve.kernels` is first imported; if another test directory imported it earlier, drop those
-modules so they are decorated again in interpreter mode.
+`specserve.kernels` is first imported (the editable install maps kernels/ to it; on the bare GPU
+machine bench/gpu_suite.sh links specserve/kernels -> ../kernels). Nothing else imports the kernels
+on a machine without CUDA; if something did, these tests stop with the reason instead of compiling
+for a GPU that is not there.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import pathlib
 import sys
-import types
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
+    if "specserve.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise pytest.UsageError("specserve.kernels was imported before tests/kernels/conftest.py could set "
+                                "TRITON_INTERPRET=1: run with TRITON_INTERPRET=1, or run tests/kernels alone")
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in [m for m in sys.modules if m.startswith("specserve.kernels")]:
-        del sys.modules[_name]
-
-try:
-    import specserve.kernels  # noqa: F401
-except ImportError:
-    # not installed, or the engine's dependencies are missing (the bare GPU machine): load only what
-    # these tests need, mapping kernels/ to specserve.kernels by hand
-    _root = pathlib.Path(__file__).resolve().parents[2]
-    for _name in [m for m in sys.modules if m == "specserve" or m.startswith("specserve.")]:
-        del sys.modules[_name]
-    _pkg = types.ModuleType("specserve")
-    _pkg.__path__ = [str(_root / "specserve")]
-    sys.modules["specserve"] = _pkg
-    _spec = importlib.util.spec_from_file_location(
-        "specserve.kernels", _root / "kernels" / "__init__.py",
-        submodule_search_locations=[str(_root / "kernels")])
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["specserve.kernels"] = _module
-    _spec.loader.exec_module(_module)
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 

@@ -11,12 +11,18 @@ Attention is causal inside each request's query.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 PAD_SLOT_ID = -1
+# name -> "module:class". By name, not imported here: the backends import this interface module.
+_BACKENDS = {
+    "torch": "specserve.models.layers.torch_attn:TorchAttentionBackend",
+    "triton": "specserve.models.layers.triton_attn:TritonAttentionBackend",
+}
 
 
 @dataclass
@@ -53,21 +59,22 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """`auto` picks triton on CUDA (when importable) and the torch reference elsewhere."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
-    if name == "torch":
-        from specserve.models.layers.torch_attn import TorchAttentionBackend
-        return TorchAttentionBackend()
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError("attention backend 'triton' needs a CUDA device; use --attention-backend torch")
-        from specserve.models.layers.triton_attn import TritonAttentionBackend
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
+    if name == "triton" and device.type != "cuda":
+        raise ValueError("attention backend 'triton' needs a CUDA device; use --attention-backend torch")
+    return _backend_class(name)()
+
+
+def _backend_class(name: str) -> type:
+    module, _, cls = _BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
-        from specserve.models.layers import triton_attn  # noqa: F401
+        _backend_class("triton")
     except ImportError:
         return False
     return True
