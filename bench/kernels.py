@@ -80,7 +80,7 @@ def torch_backend_fn(b: dict):
         num_reqs=len(b["q_lens"]), num_tokens=sum(b["q_lens"]), max_query_len=max(b["q_lens"]),
         max_seq_len=max(b["s_lens"]), query_start_loc=b["query_start_loc"], seq_lens=b["seq_lens"],
         block_tables=b["block_tables"], slot_mapping=b["slot_mapping"], query_lens_cpu=b["q_lens"],
-        seq_lens_cpu=b["s_lens"], extra={"block_size": BS})
+        seq_lens_cpu=b["s_lens"], block_size=BS)
     backend = TorchAttentionBackend()
     backend.prepare(meta)
     return lambda: backend.forward(b["query"], b["key"], b["value"], b["kv_cache"], meta, b["scale"])

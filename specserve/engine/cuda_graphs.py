@@ -50,7 +50,7 @@ class DecodeGraphs:
             num_reqs=batch, num_tokens=batch * q, max_query_len=q, max_seq_len=self.max_model_len,
             query_start_loc=self.query_start_loc[:batch + 1], seq_lens=self.seq_lens[:batch],
             block_tables=self.block_tables[:batch], slot_mapping=self.slot_mapping[:batch * q],
-            query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch, extra={"block_size": self.block_size})
+            query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch, block_size=self.block_size)
 
     @torch.inference_mode()
     def capture(self) -> None:

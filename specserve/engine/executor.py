@@ -55,8 +55,8 @@ class ModelExecutor:
                        tables: list[list[int]]) -> torch.Tensor:
         """A ragged batch given as lists: request i computes the last query_lens[i] of its seq_lens[i]
         tokens (KV in blocks tables[i]); input_ids: list or [T] tensor -> hidden [T, hidden_size]."""
-        positions, meta = batch_metadata(query_lens, seq_lens, tables, self.block_size, self.device,
-                                         staging=self.staging)
+        positions, meta, _ = batch_metadata(query_lens, seq_lens, tables, self.block_size, self.device,
+                                            staging=self.staging)
         ids = input_ids if isinstance(input_ids, torch.Tensor) else \
             torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return self.forward(ids, positions, meta)

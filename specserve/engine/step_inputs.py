@@ -108,10 +108,11 @@ def _staging_for(device: torch.device) -> HostStaging:
 
 def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
                    device: torch.device, pad_block_table_to: int = 0, staging: HostStaging | None = None,
-                   extra_int64: list[np.ndarray] = ()) -> tuple[torch.Tensor, AttentionMetadata]:
+                   extra_int64: list[np.ndarray] = ()
+                   ) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
     """Positions [num_tokens] and attention metadata of a flat ragged batch: request i computes the
     last query_lens[i] of its seq_lens[i] tokens, whose KV lives in the blocks tables[i].
-    `extra_int64` arrays travel to the device in the same copy; they come back in `meta.extra["int64"]`."""
+    `extra_int64` arrays travel to the device in the same copy; they come back as the third result."""
     staging = staging or _staging_for(device)
     num_reqs = len(query_lens)
     q_lens = np.asarray(query_lens, dtype=np.int64)
@@ -132,11 +133,8 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
         num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=int(q_lens.max()),
         max_seq_len=int(s_lens.max()), query_start_loc=cu_d, seq_lens=s_lens_d,
         block_tables=bt_d.view(num_reqs, max_blocks), slot_mapping=long_parts[1],
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
-        extra={"block_size": block_size})
-    if extra_int64:
-        meta.extra["int64"] = long_parts[2:]
-    return long_parts[0], meta
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size)
+    return long_parts[0], meta, long_parts[2:]
 
 
 def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
@@ -171,9 +169,8 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device
             logits_idx += range(end - count, end)
     extra = [np.asarray(input_ids, dtype=np.int64), np.asarray(logits_idx, dtype=np.int64),
              np.asarray(fill_dst, dtype=np.int64), np.asarray(fill_src, dtype=np.int64)]
-    positions, meta = batch_metadata(query_lens, seq_lens, tables, block_size, device, pad_block_table_to,
-                                     staging, extra)
-    ids, logits_indices, dst, src = meta.extra.pop("int64")
+    positions, meta, (ids, logits_indices, dst, src) = batch_metadata(
+        query_lens, seq_lens, tables, block_size, device, pad_block_table_to, staging, extra)
     if fill_dst:
         ids[dst] = prev_tokens.tokens[src]
     return StepInputs(input_ids=ids, positions=positions, meta=meta, logits_indices=logits_indices,

@@ -29,7 +29,7 @@ def make_step(q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_hea
                                      device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=block_tables.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_lens_cpu=list(q_lens), seq_lens_cpu=list(seq_lens), extra={"block_size": block_size})
+        query_lens_cpu=list(q_lens), seq_lens_cpu=list(seq_lens), block_size=block_size)
     qkv = (rand(num_tokens, num_heads, head_dim), rand(num_tokens, num_kv_heads, head_dim),
            rand(num_tokens, num_kv_heads, head_dim))
     return meta, qkv, rand(2, num_blocks, block_size, num_kv_heads, head_dim)

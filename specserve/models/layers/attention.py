@@ -37,7 +37,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, device; PAD_SLOT_ID = do not write
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific per-step tensors
+    block_size: int  # tokens per KV block (the cache's dim 2)
+    extra: dict[str, Any] = field(default_factory=dict)  # the backend's own per-step tensors (prepare)
 
 
 class AttentionBackend(Protocol):

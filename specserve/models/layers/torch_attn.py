@@ -37,7 +37,7 @@ class TorchAttentionBackend:
 
     def _build_group(self, meta: AttentionMetadata, reqs: list[int]) -> _Group:
         device = meta.block_tables.device
-        block_size = meta.extra["block_size"]
+        block_size = meta.block_size
         q_lens = [meta.query_lens_cpu[i] for i in reqs]
         s_lens = [meta.seq_lens_cpu[i] for i in reqs]
         max_q = max(q_lens)

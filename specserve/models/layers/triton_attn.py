@@ -22,16 +22,15 @@ class TritonAttentionBackend:
         self._reshape_and_cache = reshape_and_cache
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        if "block_size" not in meta.extra:
-            raise ValueError("AttentionMetadata.extra['block_size'] must be set by the model runner")
+        """Nothing to precompute: the kernels read the metadata tensors directly."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim];
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns [num_tokens, num_heads, head_dim]."""
-        if kv_cache.shape[2] != meta.extra["block_size"]:
+        if kv_cache.shape[2] != meta.block_size:
             raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != metadata block_size "
-                             f"{meta.extra['block_size']}")
+                             f"{meta.block_size}")
         self._reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
         return self._paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                      scale, meta.max_query_len, meta.max_seq_len)
