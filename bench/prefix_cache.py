@@ -76,7 +76,8 @@ def build_workload(tokenizer, hit_rates: list[float], groups: int, per_group: in
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     engine = llm.engine
     sched_time = [0.0]
-    schedule, update = engine.scheduler.schedule, engine.scheduler.update_from_output
+    scheduler = engine.scheduler
+    schedule, advance, resolve = scheduler.schedule, scheduler.advance, scheduler.resolve
 
     def timed(fn):
         def wrapper(*args):
@@ -95,14 +96,14 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
         marks.append((time.monotonic(), time.process_time()))
         return out
 
-    engine.scheduler.schedule, engine.scheduler.update_from_output = timed(schedule), timed(update)
+    scheduler.schedule, scheduler.advance, scheduler.resolve = timed(schedule), timed(advance), timed(resolve)
     engine.step = marked_step
     before = engine.stats()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    engine.scheduler.schedule, engine.scheduler.update_from_output = schedule, update
+    del scheduler.schedule, scheduler.advance, scheduler.resolve  # back to the class's methods
     del engine.step
     after = engine.stats()
     ttfts = [o.metrics.time_to_first_token for o in outs]
@@ -155,7 +156,7 @@ def markdown(result: dict, command: str) -> str:
         ("Medians over the (off, on) pairs of each point. Wall clock: mean TTFT and total tok/s = "
          "(prompt + output tokens) / wall time. CPU: the same in this process's CPU seconds (what the "
          "wall clock would show on an idle machine; robust to the other jobs). Scheduler = host seconds "
-         "in schedule() + update_from_output(), where all prefix-cache bookkeeping runs. Same output = "
+         "in schedule() + advance() + resolve(), where all prefix-cache bookkeeping runs. Same output = "
          "greedy tokens identical with the cache on and off."), "",
         ("| target hit | system prompt | measured hit | pairs | TTFT off / on (s) | off/on "
          "| CPU TTFT off / on (s) | off/on | tok/s off / on | on/off | tok/CPU-s off / on | on/off "

@@ -1,7 +1,7 @@
 """Engine configuration: one dataclass per part, validated on construction.
 
-`EngineArgs` takes the CLI long flag names with underscores (vLLM's shape) and builds the
-`EngineConfig` the engine runs on.
+`engine_config_from_args(**engine_args)` takes the CLI long flag names with underscores (vLLM's
+shape, as `LLM(...)` does) and builds the `EngineConfig` the engine runs on.
 """
 from __future__ import annotations
 

@@ -252,6 +252,3 @@ class KVCacheManager:
     # -- queries ---------------------------------------------------------------------------------
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]
-
-    def num_blocks_of(self, req_id: str) -> int:
-        return len(self.req_blocks.get(req_id, ()))

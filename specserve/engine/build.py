@@ -19,7 +19,7 @@ from specserve.engine.executor import ModelExecutor
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.scheduler import Scheduler
 from specserve.models.layers.attention import get_attention_backend
-from specserve.models.loader import LoadedModel, load_model
+from specserve.models.loader import LoadedModel, load_model, load_tokenizer
 from specserve.quant.bnb import cuda_graph_safe
 from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, format_bytes, weight_memory
 from specserve.sample.sampler import RequestGenerators
@@ -115,6 +115,15 @@ def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedMode
     loaded = load_model(model_path, dtype=mc.dtype, device=device, load_format=mc.load_format,
                         max_positions=mc.max_model_len, seed=mc.seed, quantization=mc.quantization,
                         quantize_embeddings=mc.quantize_embeddings)
+    if mc.tokenizer is not None:  # a tokenizer from elsewhere (a dummy-weights model, a fixed template)
+        tokenizer = load_tokenizer(mc.tokenizer)
+        if tokenizer is None:
+            raise ValueError(f"tokenizer {mc.tokenizer}: no tokenizer files (tokenizer.json, tokenizer.model, "
+                             "tokenizer_config.json) there")
+        if len(tokenizer) > loaded.arch.vocab_size:
+            raise ValueError(f"tokenizer {mc.tokenizer} has {len(tokenizer)} tokens, more than the model's "
+                             f"vocabulary of {loaded.arch.vocab_size}")
+        loaded = dataclasses.replace(loaded, tokenizer=tokenizer)
     mem = weight_memory(loaded.model)  # quantized storage counted as stored, tied weights once
     quant = "" if not loaded.quantization else (
         f"; {loaded.quantization}: {mem.num_quantized_layers} quantized layers {format_bytes(mem.quantized)} "

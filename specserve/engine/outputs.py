@@ -14,7 +14,6 @@ class ScheduledRequest:
     spec_token_ids: list[int]  # drafts verified this step (the last len() tokens of the chunk)
     block_ids: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample (and verify drafts)
-    new_block_ids: bool = True
 
 
 @dataclass

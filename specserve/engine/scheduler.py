@@ -236,11 +236,6 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # -- results ---------------------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Advance counters, append sampled tokens, apply stop rules; returns requests with news."""
-        self.advance(sched)
-        return self.resolve(sched, result)
-
     def advance(self, sched: SchedulerOutput) -> None:
         """The step is launched: its tokens count as computed, and each request that samples has one
         token in flight (async scheduling may schedule the next step before `resolve`)."""
@@ -343,7 +338,3 @@ class Scheduler:
     def _max_drafts(self, request: Request) -> int:
         """Never draft past max_tokens or max_model_len."""
         return max(0, self._room(request) - 1)
-
-    def abort(self, req_ids: Iterable[str]) -> None:
-        for req_id in req_ids:
-            self.finish_request(req_id, RequestStatus.FINISHED_ABORTED)

@@ -148,3 +148,17 @@ def test_threads_sets_the_cpu_threads_of_generation(tiny_llama_dir):
     bad = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", "hi", "--model", str(tiny_llama_dir),
                           "--threads", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip() == "specserve: error: threads must be at least 1, got 0"
+
+
+def test_tokenizer_from_another_directory(tiny_llama_dir, tmp_path):
+    """`tokenizer=` (vLLM's --tokenizer): the model's own dir has none; text prompts then work."""
+    from tests.server.harness import add_char_tokenizer
+
+    tok_dir = add_char_tokenizer(tiny_llama_dir, tmp_path / "with-tokenizer")
+    plain = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=16)
+    assert plain.tokenizer is None
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=16, tokenizer=str(tok_dir))
+    out = llm.generate("abc", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("abc") and len(out.outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=16, tokenizer=str(tmp_path))
