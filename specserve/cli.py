@@ -56,8 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_DESTS = ["dtype", "device", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "enable_prefix_caching", "quantization", "quantize_embeddings", "attention_backend",
-                "enforce_eager", "async_scheduling", "seed", "threads", "tokenizer", "speculative_config", "draft_model",
-                "num_speculative_tokens", "draft_quantization", "draft_load_format"]
+                "enforce_eager", "async_scheduling", "seed", "threads", "tokenizer", "speculative_config",
+                "draft_model", "num_speculative_tokens", "draft_quantization", "draft_load_format"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
