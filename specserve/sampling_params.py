@@ -71,6 +71,10 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
+    def stop_tokens_banned(self, num_output_tokens: int) -> bool:
+        """Before min_tokens, eos and stop_token_ids may not be sampled (nor end the request)."""
+        return num_output_tokens < self.min_tokens
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS

@@ -247,7 +247,7 @@ class LLMEngine:
             if s.sample:
                 r, p = s.request, s.request.sampling_params
                 if (r.forks or p.logprobs is not None or p.has_penalties
-                        or r.num_output_tokens + r.num_pending < p.min_tokens):
+                        or p.stop_tokens_banned(r.num_output_tokens + r.num_pending)):
                     return False
         return True
 

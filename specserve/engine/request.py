@@ -81,6 +81,32 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    # -- the request's lifecycle rules: one home for the scheduler, adaptive k and async deferral ----
+    def room(self, max_model_len: int, num_new: int = 0) -> int:
+        """Tokens the request may still produce after its known tokens, those in flight and `num_new`
+        more about to be appended (max_tokens, max_model_len)."""
+        ahead = self.num_pending + num_new
+        room = max_model_len - self.num_tokens - ahead
+        if self.sampling_params.max_tokens is not None:
+            room = min(room, self.sampling_params.max_tokens - self.num_output_tokens - ahead)
+        return room
+
+    def length_reached(self, max_model_len: int) -> bool:
+        """Its known tokens reach max_tokens or max_model_len (tokens in flight not counted)."""
+        return self.room(max_model_len, -self.num_pending) <= 0
+
+    def stop_for(self, token_id: int, num_output_tokens: int) -> tuple[RequestStatus, int | None] | None:
+        """Whether `token_id`, as output token number `num_output_tokens`, stops the request by eos or a
+        stop token id: (status, stop_reason), else None."""
+        params = self.sampling_params
+        if params.stop_tokens_banned(num_output_tokens):
+            return None
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token_id
+        return None
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -200,17 +200,9 @@ class Scheduler:
         room = self.config.max_model_len - num_computed
         return max(num_new, min(num_new + self.num_lookahead_tokens, room))
 
-    def _room(self, request: Request) -> int:
-        """Tokens the request may still produce after those known and in flight (max_tokens,
-        max_model_len)."""
-        room = self.config.max_model_len - request.num_tokens - request.num_pending
-        if request.sampling_params.max_tokens is not None:
-            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - request.num_pending)
-        return room
-
     def _ends_by_length(self, request: Request) -> bool:
         """Will the request's in-flight tokens reach max_tokens / max_model_len?"""
-        return self._room(request) <= 0
+        return request.room(self.config.max_model_len) <= 0
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         end = request.num_computed_tokens + num_new
@@ -320,21 +312,14 @@ class Scheduler:
         return children
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
-        params = request.sampling_params
-        n_out = request.num_output_tokens
-        status, reason = None, None
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif token_id in params.stop_token_ids:
-                status, reason = RequestStatus.FINISHED_STOPPED, token_id
-        if status is None and ((params.max_tokens is not None and n_out >= params.max_tokens)
-                               or request.num_tokens >= self.config.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            self.finish_request(request.request_id, status, reason)
-        return status is not None
+        """Finish the request if its newest token (`token_id`, appended) ends it."""
+        stop = request.stop_for(token_id, request.num_output_tokens)
+        if stop is None and request.length_reached(self.config.max_model_len):
+            stop = RequestStatus.FINISHED_LENGTH, None
+        if stop is not None:
+            self.finish_request(request.request_id, *stop)
+        return stop is not None
 
     def _max_drafts(self, request: Request) -> int:
         """Never draft past max_tokens or max_model_len."""
-        return max(0, self._room(request) - 1)
+        return max(0, request.room(self.config.max_model_len) - 1)

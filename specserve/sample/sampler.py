@@ -68,7 +68,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
                                         row_logits * p.repetition_penalty)
                 logits[i] = torch.where(seen, penalized, row_logits)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        if len(row.output_token_ids) < p.min_tokens:
+        if p.stop_tokens_banned(len(row.output_token_ids)):
             banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < vocab]
             if banned:
                 logits[i, banned] = float("-inf")

@@ -246,14 +246,6 @@ def plan_step(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput,
 def _room(req: Request, new_ids: list[int], max_model_len: int) -> int:
     """Most drafts worth proposing: never past max_tokens / max_model_len (as the scheduler caps
     them), none when the last new token ends the request."""
-    params = req.sampling_params
-    num_tokens = req.num_tokens + len(new_ids)
-    num_output = req.num_output_tokens + len(new_ids)
-    room = max_model_len - num_tokens
-    if params.max_tokens is not None:
-        room = min(room, params.max_tokens - num_output)
-    last = new_ids[-1]
-    if num_output >= params.min_tokens and (last in params.stop_token_ids
-                                            or (not params.ignore_eos and last in req.eos_token_ids)):
+    if req.stop_for(new_ids[-1], req.num_output_tokens + len(new_ids)) is not None:
         return 0
-    return max(0, room - 1)
+    return max(0, req.room(max_model_len, len(new_ids)) - 1)
