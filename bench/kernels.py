@@ -143,8 +143,8 @@ def _cfg_str(cfg: dict) -> str:
 
 
 def bench_layer_ops(rows: list) -> None:
-    """Eager torch RMSNorm(+residual), RoPE and SwiGLU activation of the model (basic.py) vs the fused
-    Triton kernels."""
+    """Eager torch RMSNorm(+residual), RoPE, SwiGLU activation (the model's basic.py) and the KV cache
+    write (index_copy) vs the Triton kernels."""
     from specserve.models.layers.basic import RMSNorm, RotaryEmbedding
 
     hidden = H * D
@@ -160,6 +160,18 @@ def bench_layer_ops(rows: list) -> None:
         rope_bytes = 2 * (q.numel() + k.numel()) * q.element_size()
         gate_up = torch.randn(num_tokens, 2 * INTERMEDIATE, device=DEV, dtype=DTYPE)
         act_bytes = 3 * gate_up.numel() // 2 * gate_up.element_size()  # read gate, up; write out
+        # the KV write of one layer: each token's k and v rows into random slots of a 4096-block cache
+        kv_cache = torch.zeros(2, 4096, BS, KVH, D, device=DEV, dtype=DTYPE)
+        key, value = (torch.randn(num_tokens, KVH, D, device=DEV, dtype=DTYPE) for _ in range(2))
+        slots = torch.randperm(4096 * BS, device=DEV)[:num_tokens]
+        cache_bytes = 2 * 2 * key.numel() * key.element_size()  # read k, v; write them
+
+        def torch_cache(key=key, value=value, kv_cache=kv_cache, slots=slots):
+            # what eager torch does without the kernel: an index_copy per K and V (the reference's
+            # boolean mask for skipped slots would sync the host, so every slot here is valid)
+            flat = kv_cache.view(2, -1, KVH, D)
+            flat[0].index_copy_(0, slots, key)
+            flat[1].index_copy_(0, slots, value)
 
         def torch_act(gate_up=gate_up):
             gate, up = gate_up.split(INTERMEDIATE, dim=-1)
@@ -169,7 +181,9 @@ def bench_layer_ops(rows: list) -> None:
                  norm_bytes),
                 ("rope q+k", partial(rope, pos, q, k), partial(K.rotary_embedding, pos, q, k, rope.cos, rope.sin),
                  rope_bytes),
-                ("silu_and_mul", torch_act, partial(K.silu_and_mul, gate_up), act_bytes)):
+                ("silu_and_mul", torch_act, partial(K.silu_and_mul, gate_up), act_bytes),
+                ("reshape_and_cache", torch_cache, partial(K.reshape_and_cache, key, value, kv_cache, slots),
+                 cache_bytes)):
             t_torch, t_triton = ms(fn_torch, graph=True), ms(fn_triton, graph=True)
             rows.append(dict(name=f"{name} T={num_tokens}", torch_ms_graph=t_torch, triton_ms_graph=t_triton,
                              triton_gbps=nbytes / t_triton / 1e6, speedup=t_torch / t_triton))

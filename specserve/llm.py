@@ -7,6 +7,7 @@ from typing import Any
 
 from specserve.config import engine_config_from_args
 from specserve.engine.engine import LLMEngine, PromptType
+from specserve.engine.intake import Prompt
 from specserve.engine.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; outputs in prompt order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+        if isinstance(prompts, (str, dict, Prompt)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
@@ -44,10 +45,7 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or several; the chat template is applied."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.apply_chat_template(c) for c in conversations]
-        # the template already holds the special tokens (e.g. BOS): do not add them again
-        ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(ids, sampling_params, use_tqdm)
+        return self.generate([self.engine.intake.chat(c) for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm

@@ -13,7 +13,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from specserve.config import EngineConfig
-from specserve.engine.engine import LLMEngine, PromptType
+from specserve.engine.engine import LLMEngine, ModelInfo, PromptType
 from specserve.engine.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -115,6 +115,15 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def intake(self):
+        """The engine's prompt intake (engine/intake.py): validate once, before a request is created."""
+        return self.engine.intake
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
 
     # -- core thread -----------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from specserve.config import EngineConfig
 from specserve.engine.build import build_engine
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.intake import Intake, Prompt
 from specserve.engine.isolation import StepIsolation
 from specserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.engine.request import Request, RequestStatus
@@ -19,7 +20,17 @@ from specserve.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict
+PromptType = str | list[int] | dict | Prompt
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a front end needs to know about the served model (instead of reaching into the engine)."""
+
+    model: str  # the path or name it was loaded from
+    max_model_len: int
+    vocab_size: int
+    speculative: dict | None  # {method, num_speculative_tokens, draft_model}, None without speculation
 
 
 @dataclass
@@ -52,6 +63,7 @@ class LLMEngine:
         spec = parts.config.spec
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self.eos_token_ids = frozenset(parts.loaded.eos_token_ids)
+        self.intake = Intake(self.tokenizer, parts.loaded.arch.vocab_size, self.max_model_len)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
         async_scheduling = parts.config.scheduler.async_scheduling
@@ -63,51 +75,26 @@ class LLMEngine:
         self._step_req_ids: set[str] | None = None
         self._step_sampled: set[str] = set()
 
+    def model_info(self) -> ModelInfo:
+        spec = self.config.spec
+        speculative = None if spec is None else {"method": spec.method, "draft_model": spec.model,
+                                                 "num_speculative_tokens": spec.num_speculative_tokens}
+        return ModelInfo(self.model_name, self.max_model_len, self.loaded.arch.vocab_size, speculative)
+
     @property
     def proposer(self):
         """The draft source (specserve.spec_decode.Proposer) the runner uses, or None."""
         return self.runner.proposer
 
     # -- requests --------------------------------------------------------------------------------
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            vocab = self.loaded.arch.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-            return None, list(prompt)
-        raise TypeError("prompt must be a string, a list of token ids, or a dict")
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja errors: bad roles/content
-            raise ValueError(f"cannot apply the chat template: {e}") from None
-
     def make_requests(self, request_id: str | None, prompt: PromptType,
                       params: SamplingParams | None = None, owner: str | None = None) -> _Group:
-        """Tokenize and validate (thread-safe, touches no engine state). `owner`: see Scheduler."""
+        """Tokenize and validate through `intake` (thread-safe, touches no engine state; a `Prompt`
+        from intake is taken as it is). `owner`: see Scheduler."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
-        text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt is {len(ids)} tokens, which does not fit max_model_len "
-                             f"{self.max_model_len} with room for output")
+        validated = self.intake.prompt(prompt)
+        text, ids = validated.text, validated.token_ids
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else dataclasses.replace(

@@ -31,7 +31,8 @@ from specserve.server.openai_protocol import (
 )
 from specserve.server.protocol import format_validation_error
 from specserve.server.state import NotReadyError, ServerState
-from specserve.server.streaming import Delta, PromptError, RequestStream, prepare_prompt
+from specserve.engine.intake import Prompt, PromptError
+from specserve.server.streaming import Delta, RequestStream
 from specserve.server.validation import InputError, check_request_size, is_json_content_type, parse_json_object
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ async def list_models(request: Request) -> Response:
     except OpenAIError as e:
         return _error_response(e)
     card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specserve",
-            "root": engine.engine.model_name, "max_model_len": engine.engine.max_model_len}
+            "root": engine.model_info.model, "max_model_len": engine.model_info.max_model_len}
     return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -105,10 +106,10 @@ async def completions(request: Request) -> Response:
         params = req.sampling_params()
         prompts = req.prompts()
         _check_size(state, len(prompts), params.n)
-        prompt_ids = [_prompt(engine, p, None) for p in prompts]
+        prompts = [_prompt(engine, p, None) for p in prompts]
     except OpenAIError as e:
         return _error_response(e)
-    return await _respond(request, state, engine, req, params, prompt_ids, chat=False)
+    return await _respond(request, state, engine, req, params, prompts, chat=False)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -118,10 +119,10 @@ async def chat_completions(request: Request) -> Response:
         _check_model(state, req.model)
         params = req.sampling_params()
         _check_size(state, 1, params.n)
-        prompt_ids = [_prompt(engine, None, [m.as_template_message() for m in req.messages])]
+        prompts = [_prompt(engine, None, [m.as_template_message() for m in req.messages])]
     except OpenAIError as e:
         return _error_response(e)
-    return await _respond(request, state, engine, req, params, prompt_ids, chat=True)
+    return await _respond(request, state, engine, req, params, prompts, chat=True)
 
 
 def _check_size(state: ServerState, num_prompts: int, n: int) -> None:
@@ -132,9 +133,9 @@ def _check_size(state: ServerState, num_prompts: int, n: int) -> None:
         raise OpenAIError(400, e.message, code=e.code, param=e.param) from None
 
 
-def _prompt(engine: AsyncEngine, prompt, messages) -> list[int]:
+def _prompt(engine: AsyncEngine, prompt, messages) -> Prompt:
     try:
-        return prepare_prompt(engine.engine, prompt, messages)
+        return engine.intake.chat(messages) if messages is not None else engine.intake.prompt(prompt)
     except PromptError as e:
         raise OpenAIError(400, str(e), code=e.code, param="messages" if messages else "prompt") from None
 
@@ -196,10 +197,10 @@ def _usage(streams: list[RequestStream]) -> dict:
 
 
 async def _respond(request: Request, state: ServerState, engine: AsyncEngine, req, params,
-                   prompt_ids: list[list[int]], chat: bool) -> Response:
+                   prompts: list[Prompt], chat: bool) -> Response:
     answer = _Answer(state, engine, req, params.n, chat)
     streams = [RequestStream(engine, state.metrics, ids, params, f"{answer.id}-{k}", owner=answer.id)
-               for k, ids in enumerate(prompt_ids)]
+               for k, ids in enumerate(prompts)]
     if req.stream:
         return StreamingResponse(_sse(answer, streams), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -24,7 +24,9 @@ from specserve.server.validation import (
     Temperature,
     TopK,
     TopP,
+    InputError,
     template_role,
+    to_sampling_params,
 )
 
 
@@ -83,16 +85,15 @@ class _SamplingFields(BaseModel):
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
-            return SamplingParams(
-                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
+            return to_sampling_params(
+                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt)
-        except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+        except InputError as e:
+            raise OpenAIError(400, e.message, code=e.code) from None
 
     @property
     def include_usage(self) -> bool:

@@ -24,6 +24,7 @@ from specserve.server.validation import (
     TopK,
     TopP,
     parse_json_object,
+    to_sampling_params,
 )
 
 
@@ -79,10 +80,10 @@ class ResponseParams(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
 
     def sampling_params(self) -> SamplingParams:
-        """Raises ValueError with the engine's message on values SamplingParams refuses."""
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=self.seed, max_tokens=self.max_output_tokens,
-                              stop=self.stop, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt)
+        """Raises InputError (`invalid_parameter`) on values SamplingParams refuses."""
+        return to_sampling_params(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                  min_p=self.min_p, seed=self.seed, max_tokens=self.max_output_tokens,
+                                  stop=self.stop, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt)
 
 
 class ResponseCreate(_Strict):

@@ -68,7 +68,7 @@ class ServerState:
         self.engine = engine
         self.phase = "ready"
         logger.info("engine ready in %.1fs: %s (max_model_len %d)", time.perf_counter() - t0,
-                    self.model_name, engine.engine.max_model_len)
+                    self.model_name, engine.model_info.max_model_len)
         if self._on_ready is not None:
             self._on_ready()
 
@@ -102,8 +102,4 @@ class ServerState:
 
     def speculative_info(self) -> dict | None:
         engine = self.engine
-        spec = engine.engine.config.spec if engine is not None else None
-        if spec is None:
-            return None
-        return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-                "draft_model": spec.model}
+        return engine.model_info.speculative if engine is not None else None

@@ -1,22 +1,22 @@
 """One request on the engine, seen as a stream of deltas: shared by the WebSocket and HTTP front ends.
 
-`prepare_prompt` turns a text prompt, token ids or chat messages into prompt token ids (and checks
-the context length with an error code of its own); `RequestStream` runs the request, turns the
-engine's cumulative `RequestOutput`s into per-step deltas, and records the request's metrics
-whatever way it ends (finished, cancelled, client gone, engine failure).
+Prompts are validated before a stream starts, by the engine's intake (engine/intake.py: coded
+`PromptError`s); `RequestStream` runs the request, turns the engine's cumulative `RequestOutput`s
+into per-step deltas, and records the request's metrics whatever way it ends (finished, cancelled,
+client gone, engine failure).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Literal
 
 from specserve.engine.async_engine import AsyncEngine
-from specserve.engine.engine import LLMEngine
+from specserve.engine.intake import Prompt
 from specserve.engine.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server.metrics import ServerMetrics
@@ -24,49 +24,6 @@ from specserve.server.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 Outcome = Literal["completed", "incomplete", "cancelled", "failed"]
-
-
-class PromptError(ValueError):
-    """A prompt the engine cannot take; `code` is machine-readable (context_length_exceeded, ...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def prepare_prompt(llm: LLMEngine, prompt: str | Sequence[int] | None,
-                   messages: Sequence[dict] | None = None) -> list[int]:
-    """Prompt token ids for a text prompt, token ids, or chat messages ({role, content: str}).
-
-    Chat messages go through the model's chat template and are tokenized without special tokens
-    (the template already holds them), as `LLM.chat` does.
-    """
-    if messages is not None:
-        try:
-            text = llm.apply_chat_template([dict(m) for m in messages])
-        except ValueError as e:
-            raise PromptError("invalid_messages", str(e)) from None
-        ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    elif isinstance(prompt, str):
-        if llm.tokenizer is None:
-            raise PromptError("invalid_prompt", "this model has no tokenizer: send prompt token ids")
-        ids = llm.tokenizer.encode(prompt)
-    elif prompt is not None:
-        ids = list(prompt)
-        vocab = llm.loaded.arch.vocab_size
-        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise PromptError("invalid_prompt", f"prompt token id {bad!r} is outside the vocabulary "
-                              f"(0..{vocab - 1})")
-    else:
-        raise PromptError("invalid_prompt", "no prompt given")
-    if not ids:
-        raise PromptError("invalid_prompt", "the prompt is empty")
-    if len(ids) >= llm.max_model_len:
-        raise PromptError("context_length_exceeded",
-                          f"the prompt is {len(ids)} tokens; this server's context length is "
-                          f"{llm.max_model_len} tokens and at least one output token must fit")
-    return ids
 
 
 @dataclass(slots=True)
@@ -87,12 +44,13 @@ class RequestStream:
     """Run one request; iterate `deltas()` for per-step deltas. After the stream ends, `outcome`,
     `final` (the last RequestOutput) and `summary()` describe it."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int],
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt: Prompt,
                  params: SamplingParams, request_id: str, owner: str | None = None) -> None:
         self.engine = engine
         self.owner = owner  # the socket or HTTP request it belongs to: the scheduler's fair share
         self.metrics = metrics
-        self.prompt_ids = prompt_ids
+        self.prompt = prompt  # validated by the intake: the engine takes it as it is
+        self.prompt_ids = prompt.token_ids
         self.params = params
         self.request_id = request_id
         self.final: RequestOutput | None = None
@@ -113,7 +71,7 @@ class RequestStream:
         started = False
         accepted_seen = 0
         try:
-            async with aclosing(self.engine.generate(self.prompt_ids, self.params, self.request_id,
+            async with aclosing(self.engine.generate(self.prompt, self.params, self.request_id,
                                                           owner=self.owner)) as gen:
                 async for out in gen:
                     started = True

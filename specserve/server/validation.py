@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from specserve.sampling_params import MAX_SEED, MIN_SEED
+from specserve.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
@@ -115,6 +115,17 @@ def _encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def to_sampling_params(**fields: Any) -> SamplingParams:
+    """The one mapping from a request's sampling fields (either protocol, in SamplingParams' names) to
+    SamplingParams. A field given as None takes its default, except max_tokens (None = up to the
+    context length). Values SamplingParams refuses raise InputError `invalid_parameter`."""
+    given = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
+    try:
+        return SamplingParams(**given)
+    except (TypeError, ValueError) as e:
+        raise InputError("invalid_parameter", str(e)) from None
 
 
 def check_request_size(num_prompts: int, n: int, max_prompts: int, max_sequences: int) -> None:

@@ -38,7 +38,8 @@ from specserve.server.protocol import (
 )
 from specserve.server.security import api_key_matches, bearer_token, error_body, origin_allowed
 from specserve.server.state import NotReadyError, ServerState
-from specserve.server.streaming import PromptError, RequestStream, prepare_prompt
+from specserve.engine.intake import PromptError
+from specserve.server.streaming import RequestStream
 from specserve.server.validation import InputError, check_request_size, template_role
 
 logger = logging.getLogger(__name__)
@@ -197,10 +198,9 @@ class Session:
                 pass
             self.closed = True
             return
-        llm = engine.engine
         try:
             await self.send(SessionCreated(session_id=self.session_id, model=self.state.model_name,
-                                           max_model_len=llm.max_model_len,
+                                           max_model_len=engine.model_info.max_model_len,
                                            speculative=self.state.speculative_info(),
                                            max_frame_size=self.state.settings.max_frame_size,
                                            version=__version__))
@@ -229,15 +229,17 @@ class Session:
         try:
             check_request_size(1, r.n, s.max_prompts_per_request, s.max_sequences_per_request)
             params = r.sampling_params()
-            messages = ([{"role": template_role(m.role), "content": m.text()} for m in r.messages]
-                        if r.messages else None)
-            prompt_ids = prepare_prompt(engine.engine, r.prompt, messages)
+            if r.messages:
+                prompt = engine.intake.chat([{"role": template_role(m.role), "content": m.text()}
+                                             for m in r.messages])
+            else:
+                prompt = engine.intake.prompt(r.prompt)
         except (PromptError, InputError) as e:
             raise ProtocolError(e.code, str(e), event.event_id) from None
         except ValueError as e:
             raise ProtocolError("invalid_parameter", str(e), event.event_id) from None
         response_id = self.state.new_id("resp")
-        stream = RequestStream(engine, self.state.metrics, prompt_ids, params, response_id,
+        stream = RequestStream(engine, self.state.metrics, prompt, params, response_id,
                                owner=self.session_id)
         await self.send(ResponseCreated(event_id=event.event_id,
                                         response=ResponseInfo(id=response_id, metadata=r.metadata)))
