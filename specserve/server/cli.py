@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specserve.cli import add_engine_args, engine_kwargs
+from specserve.engine_args import add_engine_args, engine_kwargs
 from specserve.utils import parse_size
 
 logger = logging.getLogger(__name__)
