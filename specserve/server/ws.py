@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from contextlib import aclosing
 
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -48,6 +50,14 @@ AUTH_TIMEOUT_S = 10.0
 MAX_RESPONSES_PER_SOCKET = 256
 CLOSE_POLICY_VIOLATION = 1008
 CLOSE_TRY_AGAIN_LATER = 1013
+
+
+def _uncancel() -> None:
+    """A CancelledError we handled: clear the task's pending-cancel count (Python >= 3.11) so later
+    awaits and timeouts in the task behave normally."""
+    task = asyncio.current_task()
+    if task is not None and sys.version_info >= (3, 11):
+        task.uncancel()
 
 
 class _Closed(Exception):
@@ -185,7 +195,7 @@ class Session:
         except asyncio.CancelledError:
             if not self.closed:  # not ours: the server is stopping
                 raise
-            asyncio.current_task().uncancel()
+            _uncancel()
 
     async def _serve(self) -> None:
         try:
@@ -262,7 +272,15 @@ class Session:
         self._started.add(rid)
         try:
             error = await self._stream_deltas(stream)
-            await self.send(ResponseDone(response=done_response(stream, metadata, error)))
+            done = ResponseDone(response=done_response(stream, metadata, error))
+            while True:  # a cancel landing while the done waits for the socket must not lose it
+                try:
+                    await self.send(done)
+                    break
+                except asyncio.CancelledError:
+                    if self.closed:
+                        raise _Closed from None
+                    _uncancel()
         except _Closed:
             pass
         finally:
@@ -276,14 +294,16 @@ class Session:
             if rid in self._cancel_early:
                 stream.outcome = "cancelled"
                 return None
-            async for step in stream.deltas():
-                for d in step:
-                    await self.send(OutputTextDelta(response_id=rid, output_index=d.index, delta=d.text,
-                                                    token_ids=d.token_ids,
-                                                    accepted_draft_tokens=d.accepted_draft_tokens))
+            async with aclosing(stream.deltas()) as deltas:  # a cancel mid-send still aborts the request
+                async for step in deltas:
+                    for d in step:
+                        await self.send(OutputTextDelta(response_id=rid, output_index=d.index, delta=d.text,
+                                                        token_ids=d.token_ids,
+                                                        accepted_draft_tokens=d.accepted_draft_tokens))
         except asyncio.CancelledError:
             if self.closed:
                 raise _Closed from None
+            _uncancel()
         except _Closed:
             raise
         except Exception as e:  # noqa: BLE001 - the engine failed this request; socket and server go on
