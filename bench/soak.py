@@ -1,5 +1,5 @@
 """Soak / fault / fuzz run of the server at any size (the CI sizes run in tests/server/test_soak.py and
-test_fuzz.py; the load and the checks are tests/server/soak_lib.py's, docs/soak.md describes them).
+test_fuzz.py; the load and the checks live in tests/server/soak/, docs/soak.md describes them).
 
     python bench/soak.py                      # CI sizes, the tiny random model
     python bench/soak.py --full               # 1000 WS + 1000 SSE streams, 2000 fuzz inputs per endpoint
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.server.harness import ServerThread, add_char_tokenizer, engine_factory  # noqa: E402
-from tests.server.soak_lib import (  # noqa: E402
+from tests.server.soak import (  # noqa: E402
     FAULT_SERVER,
     FUZZ_SERVER,
     KV_SERVER,

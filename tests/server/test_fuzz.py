@@ -1,5 +1,5 @@
-"""Fuzz the WebSocket protocol and both OpenAI endpoints with hypothesis (soak_lib's strategies and
-oracle): no 5xx, an answer within the timeout, one well-formed event per WS frame, no dropped socket,
+"""Fuzz the WebSocket protocol and both OpenAI endpoints with hypothesis (tests/server/soak's strategies
+and oracle): no 5xx, an answer within the timeout, one well-formed event per WS frame, no dropped socket,
 a concurrent canary request still completes, nothing leaked. The known poison inputs are explicit
 examples of each fuzz and also tests of their own (they must be refused: 400 / an `error` event).
 
@@ -12,7 +12,7 @@ import os
 import pytest
 
 from tests.server.harness import ServerThread, engine_factory
-from tests.server.soak_lib import FUZZ_SERVER, POISON, Fuzzer, run_fuzz
+from tests.server.soak import FUZZ_SERVER, POISON, Fuzzer, run_fuzz
 
 NUM_EXAMPLES = int(os.environ.get("SOAK_FUZZ_EXAMPLES", "150"))
 

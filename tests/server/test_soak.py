@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from tests.server.harness import ServerThread, engine_factory
-from tests.server.soak_lib import (
+from tests.server.soak import (
     FAULT_SERVER,
     KV_SERVER,
     STREAMS_SERVER,
