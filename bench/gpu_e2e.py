@@ -49,7 +49,8 @@ def bench_specserve(args) -> dict:
     result = {"weight_bytes": llm.engine.weight_bytes, "kv_cache_bytes": llm.engine.kv_cache_bytes,
               "cuda_graphs": llm.engine.runner.graphs is not None,
               "async_scheduling": llm.engine.async_scheduling,
-              "attention_backend": llm.engine.runner.target.backend.name}
+              "attention_backend": llm.engine.runner.target.backend.name,
+              "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens}
     llm.generate([{"prompt_token_ids": p} for p in prompts(4, args.prompt_len, vocab, 99)], params)  # warm-up
 
     # batch 1: decode tokens/s between the first and the last token (prefill excluded), median of runs
@@ -111,7 +112,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="default: the engine's for the device")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")

@@ -65,7 +65,9 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # tokens per step (prefill chunks + decodes); None: chosen by device (engine/build.py:
+    # DEFAULT_MAX_NUM_BATCHED_TOKENS — large chunks on a GPU, small ones on a CPU for even inter-token latency)
+    max_num_batched_tokens: int | None = None
     max_model_len: int = 0  # filled in from the model config by the engine
     # schedule step N+1 while step N runs on the device (None: on for CUDA, off on the CPU)
     async_scheduling: bool | None = None
@@ -73,7 +75,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 

@@ -17,7 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="dummy = random weights of the model's shape (benchmarks)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (default by device: 8192 on a GPU, 2048 on a CPU)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size in blocks")
     g.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30, help="KV cache bytes on the CPU")

@@ -31,6 +31,7 @@ from specserve.engine.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_lookahead_tokens: int = 0) -> None:
+        assert config.max_num_batched_tokens is not None, "the builder resolves the token budget (with_device_defaults)"
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()

@@ -162,3 +162,22 @@ def test_tokenizer_from_another_directory(tiny_llama_dir, tmp_path):
     assert out.prompt_token_ids == llm.tokenizer.encode("abc") and len(out.outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="no tokenizer files"):
         LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=16, tokenizer=str(tmp_path))
+
+
+def test_max_num_batched_tokens_defaults_by_device(tiny_llama_dir):
+    """Left open, the step's token budget comes from the device (big chunks on a GPU); given, it is kept."""
+    import torch
+
+    from specserve.config import EngineConfig
+    from specserve.engine.build import DEFAULT_MAX_NUM_BATCHED_TOKENS, with_device_defaults
+
+    open_config = EngineConfig()
+    for kind in ("cpu", "cuda"):
+        resolved = with_device_defaults(open_config, torch.device(kind))
+        assert resolved.scheduler.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS[kind]
+    assert open_config.scheduler.max_num_batched_tokens is None  # the caller's config is left alone
+    assert DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"] > DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=16)
+    assert llm.engine.config.scheduler.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
+    given = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=16, max_num_batched_tokens=96)
+    assert given.engine.config.scheduler.max_num_batched_tokens == 96
