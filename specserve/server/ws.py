@@ -123,13 +123,23 @@ class Session:
             if self.closed:
                 raise _Closed
             try:
-                await asyncio.wait_for(self.ws.send_text(data), self.state.settings.ws_send_timeout)
+                await self._send_within_timeout(data)
             except asyncio.TimeoutError:
                 await self._drop_slow_reader()
                 raise _Closed from None
             except Exception as e:  # disconnects surface as several exception types
                 self.closed = True
                 raise _Closed from e
+
+    async def _send_within_timeout(self, data: str) -> None:
+        timeout = self.state.settings.ws_send_timeout
+        if sys.version_info >= (3, 11):
+            # not wait_for: before 3.12 it can swallow a cancel (response.cancel) that lands as the send
+            # completes, and the response then runs to its end
+            async with asyncio.timeout(timeout):
+                await self.ws.send_text(data)
+        else:
+            await asyncio.wait_for(self.ws.send_text(data), timeout)
 
     async def _drop_slow_reader(self) -> None:
         """The client has not read for ws_send_timeout: end the session (its responses are cancelled

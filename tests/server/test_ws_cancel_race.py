@@ -62,3 +62,35 @@ def test_a_cancel_during_the_done_send_does_not_lose_the_done():
     sent = asyncio.run(main())
     assert [e["type"] for e in sent] == ["response.done"]
     assert sent[0]["response"]["id"] == "resp-1"
+
+
+def test_every_cancel_of_a_streaming_response_takes_effect(tiny_chat_dir):
+    """A `response.cancel` sent while deltas stream stops the response every time (a cancel that lands
+    as a frame's send completes used to be swallowed by asyncio.wait_for before Python 3.12, and the
+    response then ran to its end)."""
+    import time
+
+    from specserve.client import Client
+    from tests.server.harness import ServerThread, engine_factory
+    from tests.server.test_health_metrics import _metrics
+
+    server = ServerThread(engine_factory(tiny_chat_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                                         max_model_len=512), "tiny")
+    name = "specserve:request_cancelled_total"
+    try:
+        with Client(server.ws) as client:
+            for i in range(10):
+                before = _metrics(server).get(name, 0.0)
+                stream = client.create(messages=[{"role": "user", "content": "hello"}], max_output_tokens=490,
+                                       ignore_eos=True)
+                for n, _ in enumerate(stream):
+                    if n == 20:
+                        break
+                stream.close()
+                deadline = time.monotonic() + 3
+                while _metrics(server).get(name, 0.0) < before + 1:
+                    assert time.monotonic() < deadline, f"cancel {i} did not stop the response"
+                    time.sleep(0.02)
+        assert server.wait_blocks(0)["num_used_blocks"] == 0
+    finally:
+        server.stop()
