@@ -35,6 +35,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
+        self._waiting_owners: Counter = Counter()  # owner -> its requests in `waiting` (kept by _enqueue/_dequeue)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
@@ -49,7 +50,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def finish_request(self, req_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Finish (stop, length, abort) a request; its blocks return to the pool now."""
@@ -59,7 +60,7 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
-            self.waiting.remove(request)
+            self._dequeue(request)
         request.status = status
         request.stop_reason = stop_reason
         request.finished_time = time.monotonic()
@@ -120,7 +121,7 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        running_of = Counter(r.owner for r in self.running)
+        running_of = Counter(r.owner for r in self.running) if self.waiting else Counter()
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and not kv_preempted):
             request = self._next_waiting(running_of, allowed)
@@ -137,7 +138,7 @@ class Scheduler:
                                           self._with_lookahead(num_hit, num_new), hits):
                 break
             self.kv.record_prefix_lookup(request.num_tokens, num_hit)
-            self.waiting.remove(request)
+            self._dequeue(request)
             running_of[request.owner] += 1
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -156,15 +157,20 @@ class Scheduler:
     def _next_waiting(self, running_of: Counter, allowed: set[str] | None) -> Request | None:
         """The waiting request to admit next: of the owner with the fewest running requests, the
         earliest (so one owner's backlog never stands in front of another's first request)."""
-        best, best_count = None, None
+        best, best_count, seen = None, None, set()
         for request in self.waiting:
             if request.num_pending or (allowed is not None and request.request_id not in allowed):
                 continue  # preempted with a token in flight: admitted once it is known
+            if request.owner in seen:
+                continue  # an owner's later requests never beat its first one
+            seen.add(request.owner)
             count = running_of[request.owner]
             if best is None or count < best_count:
                 best, best_count = request, count
                 if count == 0:
                     break
+            if len(seen) == len(self._waiting_owners):
+                break  # every owner's first request seen: one owner (offline) stops at the queue's head
         return best
 
     def _make_room_for_newcomer(self, out: SchedulerOutput) -> None:
@@ -173,7 +179,8 @@ class Scheduler:
         if len(self.running) < self.config.max_num_seqs or not self.waiting:
             return
         running_of = Counter(r.owner for r in self.running)
-        if not any(running_of[r.owner] == 0 and not r.num_pending for r in self.waiting):
+        newcomers = {owner for owner in self._waiting_owners if running_of[owner] == 0}
+        if not newcomers or not any(r.owner in newcomers and not r.num_pending for r in self.waiting):
             return
         heavy, count = running_of.most_common(1)[0]
         if count < 2:
@@ -226,7 +233,17 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(request)
+        self._waiting_owners[request.owner] += 1
+
+    def _dequeue(self, request: Request) -> None:
+        self.waiting.remove(request)
+        self._waiting_owners[request.owner] -= 1
+        if not self._waiting_owners[request.owner]:
+            del self._waiting_owners[request.owner]
 
     # -- results ---------------------------------------------------------------------------------
     def advance(self, sched: SchedulerOutput) -> None:

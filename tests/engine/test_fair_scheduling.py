@@ -3,9 +3,11 @@ owner with the fewest running requests, and a newcomer gets a slot within one st
 holds them all. Offline requests (one owner) keep plain arrival order."""
 from __future__ import annotations
 
+from collections import Counter
+
 from specserve.cache.kv_cache_manager import KVCacheManager
 from specserve.config import SchedulerConfig
-from specserve.engine.request import Request
+from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
 from specserve.sampling_params import SamplingParams
 
@@ -38,6 +40,26 @@ def test_newcomer_gets_a_slot_at_once_when_one_owner_holds_all():
     ids = step(s)
     assert "b0" in ids and "a3" not in ids  # a3, A's newest, made room
     assert s.requests["a3"].num_preemptions == 1 and s.num_running == 4
+    s.finish_request("a4", RequestStatus.FINISHED_ABORTED)  # leaves the waiting queue
+    assert s._waiting_owners == Counter(r.owner for r in s.waiting) == Counter({"A": 2})
+
+
+def test_admission_is_cheap_behind_a_long_single_owner_queue():
+    """One owner (offline) stops the search at the queue's head: admission does not scan the queue."""
+    s = scheduler(4)
+    for i in range(5000):
+        s.add_request(request(f"x{i}", None))
+    scanned = []
+    original = type(s.waiting).__iter__
+
+    class CountingDeque(type(s.waiting)):
+        def __iter__(self):
+            for n, r in enumerate(original(self)):
+                scanned.append(n)
+                yield r
+    s.waiting = CountingDeque(s.waiting)
+    assert step(s) == ["x0", "x1", "x2", "x3"]
+    assert len(scanned) <= 4 * 2
 
 
 def test_admission_goes_to_the_owner_with_the_fewest_running():
