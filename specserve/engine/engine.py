@@ -72,8 +72,7 @@ class LLMEngine:
         self._touched: dict[str, _Group] = {}  # groups with news since the last step() returned
         self.num_deferred_steps = 0  # steps left in flight by async scheduling
         self.isolation = StepIsolation(self)
-        self._step_req_ids: set[str] | None = None
-        self._step_sampled: set[str] = set()
+        self._stepping: tuple | None = None  # (SchedulerOutput, in-flight SchedulerOutput | None) of step()
 
     def model_info(self) -> ModelInfo:
         spec = self.config.spec
@@ -187,13 +186,14 @@ class LLMEngine:
 
         A step that raises fails no request by itself: see `isolation.py`. Requests found to make
         steps fail end, and `take_failures()` says which and why."""
-        self._step_req_ids = None
+        self._stepping = None
         try:
             outputs = self._step(finished_only)
         except Exception as e:  # noqa: BLE001 - one request's fault must not end the others
-            self.isolation.step_failed(e, self._step_req_ids)
+            self.isolation.step_failed(e, self._stepping)
             return []
-        self.isolation.step_passed(self._step_req_ids, self._step_sampled)
+        if self.scheduler.isolate:
+            self.isolation.step_passed(self._stepping[0])
         return outputs
 
     def take_failures(self) -> dict[str, str]:
@@ -202,9 +202,8 @@ class LLMEngine:
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        inflight = self._inflight.sched.scheduled if self._inflight is not None else []
-        self._step_req_ids = {s.request.request_id for s in (*sched.scheduled, *inflight)}
-        self._step_sampled = {s.request.request_id for s in sched.scheduled if s.sample}
+        # what the isolation needs if this step fails: this step and the one still in flight
+        self._stepping = (sched, self._inflight.sched if self._inflight is not None else None)
         defer = self.async_scheduling and not self.scheduler.isolate and self._can_defer(sched)
         if not defer:
             self._drain()  # a step finished here sees every earlier token on the host (proposers need them)

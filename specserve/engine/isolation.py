@@ -28,6 +28,7 @@ from specserve.engine.request import RequestStatus
 
 if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
+    from specserve.engine.outputs import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +48,16 @@ class StepIsolation:
         out, self._failures = self._failures, {}
         return out
 
-    def step_failed(self, exc: Exception, step_req_ids: set[str] | None) -> None:
+    def step_failed(self, exc: Exception, stepping: tuple[SchedulerOutput, SchedulerOutput | None] | None
+                    ) -> None:
+        """`stepping`: the failed step's schedule and the one in flight then (None: schedule() failed)."""
         engine, sched = self.engine, self.engine.scheduler
         self.num_failed_steps += 1
         live = set(sched.requests)
-        # schedule() itself failed: every request is a suspect
-        suspects = (set(step_req_ids) if step_req_ids is not None else set(live)) & live
+        if stepping is None:  # schedule() itself failed: every request is a suspect
+            suspects = set(live)
+        else:
+            suspects = {s.request.request_id for out in stepping if out is not None for s in out.scheduled} & live
         logger.error("engine step failed with %d request(s) (%s: %s); isolating the cause",
                      len(suspects), type(exc).__name__, exc, exc_info=exc)
         engine._inflight = None
@@ -75,11 +80,10 @@ class StepIsolation:
         sched.isolate[:0] = sets
         self._start_set()
 
-    def step_passed(self, step_req_ids: set[str] | None, sampled: set[str]) -> None:
+    def step_passed(self, out: SchedulerOutput) -> None:
+        """A step of the current set ran (called only while isolating)."""
         sched = self.engine.scheduler
-        if not sched.isolate:
-            return
-        self._unsampled -= sampled
+        self._unsampled -= {s.request.request_id for s in out.scheduled if s.sample}
         self._unsampled &= set(sched.requests)  # finished or aborted meanwhile
         if not self._unsampled:
             sched.isolate.pop(0)
