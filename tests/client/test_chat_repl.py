@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import build_tiny_model
-from tests.server.harness import add_char_tokenizer
+from tests.server.harness import add_char_tokenizer, free_port, wait_until_healthy
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pty")
 
@@ -38,9 +37,7 @@ class Server:
     """`specserve serve` in a subprocess on a free 127.0.0.1 port."""
 
     def __init__(self, model_dir: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         cmd = [sys.executable, "-m", "specserve.cli", "serve", str(model_dir), "--port", str(self.port),
                "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "260", "--max-model-len", "4096",
                "--served-model-name", "tiny"]
@@ -48,17 +45,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
         self.ws = f"ws://127.0.0.1:{self.port}/v1/ws"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None:
-                raise AssertionError(self.proc.stderr.read().decode(errors="replace"))
-            assert time.monotonic() < deadline, "the server did not get ready"
-            time.sleep(0.2)
+        wait_until_healthy(self.port, self.proc, lambda: self.proc.stderr.read().decode(errors="replace"))
 
     def wait_cancelled(self, num: int, timeout: float = 20.0) -> None:
         """Wait until the server counts `num` cancelled requests (its Prometheus counter)."""

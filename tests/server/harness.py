@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import string
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -92,3 +94,26 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(port: int, proc: subprocess.Popen, output: Callable[[], str],
+                       timeout: float = 120.0) -> None:
+    """Poll a `specserve serve` subprocess's /health until it answers 200; if the process exits first,
+    fail with what it printed (`output()`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(output())
+        assert time.monotonic() < deadline, "the server did not get ready"
+        time.sleep(0.2)

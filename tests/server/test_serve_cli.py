@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +14,7 @@ import pytest
 from specserve.cli import build_parser, engine_kwargs
 from specserve.config import engine_config_from_args
 from specserve.server.cli import load_yaml_config, resolve_serve_args
+from tests.server.harness import free_port, wait_until_healthy
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -69,14 +68,8 @@ def test_presets_build_valid_configs(preset):
         assert config.model.load_format == "dummy" and config.device == "cuda"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_specserve_serve_subprocess(tiny_chat_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"port: {port}\ndtype: float32\ndevice: cpu\nnum-kv-blocks: 32\n"
                    "served-model-name: tiny-cli\n")
@@ -86,17 +79,7 @@ def test_specserve_serve_subprocess(tiny_chat_dir, tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                raise AssertionError(proc.stdout.read())
-            assert time.monotonic() < deadline, "the server did not get ready"
-            time.sleep(0.2)
+        wait_until_healthy(port, proc, proc.stdout.read)
         denied = httpx.post(url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2})
         ok = httpx.post(url + "/v1/completions", json={"model": "tiny-cli", "prompt": "ab", "max_tokens": 2,
                                                        "ignore_eos": True},
@@ -112,5 +95,5 @@ def test_specserve_serve_subprocess(tiny_chat_dir, tmp_path):
 
 def test_serve_reports_bad_flags_before_listening(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "specserve.cli", "serve", "--block-size", "3", "--port",
-                           str(_free_port())], capture_output=True, text=True, timeout=120)
+                           str(free_port())], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "block_size" in proc.stderr
