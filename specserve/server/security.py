@@ -43,7 +43,7 @@ def bearer_token(authorization: str | None) -> str | None:
 
 def allowed_host_names(bind_host: str, extra: list[str] | None = None) -> frozenset[str]:
     """Host names the server answers: loopback names, the bound address, and `extra` (`*` = any)."""
-    names = set(LOCAL_HOSTS) | {"127.0.0.1"}
+    names = set(LOCAL_HOSTS)
     if bind_host not in ("0.0.0.0", "::", ""):
         names.add(bind_host.lower().strip("[]"))
     names.update(h.strip().lower().strip("[]") for h in extra or [] if h.strip())
@@ -66,8 +66,7 @@ def host_allowed(host_header: str | None, names: frozenset[str]) -> bool:
     a rebinding page always sends one)."""
     if "*" in names or host_header is None:
         return True
-    name = host_name(host_header)
-    return name is not None and (name in names or name.strip("[]") in names)
+    return host_name(host_header) in names
 
 
 def origin_allowed(origin: str | None, host_names: frozenset[str], allowed: list[str] | None,

@@ -1,6 +1,7 @@
 """Server settings (the non-engine flags of `specserve serve`) and the default model's served name."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +50,7 @@ class ServerSettings:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it out to disable authentication)")
 
-    @property
+    @functools.cached_property
     def host_names(self) -> frozenset[str]:
         from specserve.server.security import allowed_host_names
         return allowed_host_names(self.host, self.allowed_hosts)
