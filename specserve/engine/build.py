@@ -68,10 +68,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         torch.set_num_threads(config.threads)
     config = with_device_defaults(config, device)
     mc, cc, sc = config.model, config.cache, config.scheduler
-    loaded, model_name = _load_target(config, device)
+    loaded, model_name, target_memory = _load_target(config, device)
     proposer = _build_proposer(config, loaded, device)
     draft = proposer.draft_model if proposer is not None else None
-    target_memory = weight_memory(loaded.model)
     weight_bytes = weight_memory(loaded.model, draft).total if draft is not None else target_memory.total
     if draft is not None:  # a self-draft shares the target's tensors: count what it adds
         logger.info("draft %s adds %s of weights (%s in all)", config.spec.model,
@@ -121,7 +120,7 @@ def with_device_defaults(config: EngineConfig, device: torch.device) -> EngineCo
     return dataclasses.replace(config, scheduler=dataclasses.replace(sc, max_num_batched_tokens=tokens))
 
 
-def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedModel, str]:
+def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedModel, str, WeightMemory]:
     mc = config.model
     t0 = time.perf_counter()
     model_path = mc.model
@@ -146,7 +145,7 @@ def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedMode
         f"incl. scales, unquantized {format_bytes(mem.unquantized)}")
     logger.info("loaded %s (%s, %s of weights%s) in %.1fs", model_path, loaded.dtype, format_bytes(mem.total),
                 quant, time.perf_counter() - t0)
-    return loaded, model_path
+    return loaded, model_path, mem
 
 
 def _build_proposer(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> Proposer | None:
