@@ -1,19 +1,29 @@
-"""AsyncEngine: the engine core loop in its own thread, per-request asyncio streams.
+"""AsyncEngine: per-request asyncio streams over an engine core (engine/core.py).
 
-The asyncio loop never waits on compute: `generate()` validates the request on the caller's side,
-hands it to the core thread through a locked inbox, and yields RequestOutputs as the core thread
-pushes them with `call_soon_threadsafe`. Leaving the stream early (cancel, disconnect, break)
-aborts the request; the core thread frees its KV blocks before its next step.
+The core runs in its own process (`AsyncEngine(config)`, the server's way: engine/core_process.py)
+or in a thread of this one (`AsyncEngine(llm_engine)`, for an engine the caller built). Either way
+the asyncio loop never waits on compute: `generate()` validates the prompt here (the intake), sends
+the request to the core, and yields cumulative RequestOutputs as the core's per-step messages come
+in. Text is made here (output_processor.py), and only when a stream reads: a reader that falls behind
+gets one output holding everything since its last read. Leaving a stream early (cancel, disconnect,
+break) aborts its request; the core frees its KV blocks before its next step.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
 
 from specserve.config import EngineConfig
-from specserve.engine.engine import LLMEngine, ModelInfo, PromptType
+from specserve.engine.core import EngineCore
+from specserve.engine.engine import LLMEngine, PromptType
+from specserve.engine.intake import Intake
+from specserve.engine.messages import Abort, AddRequest, CoreInput, ModelInfo, Shutdown, StepOutput, StopSample
+from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -21,160 +31,210 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine core is gone (its process died, or it was shut down): error code `engine_dead`."""
 
 
 class RequestFailedError(RuntimeError):
     """Engine steps failed with this request in them (the others went on)."""
 
 
-class _Latest:
-    """A stream's mailbox: RequestOutputs are cumulative, so a newer one replaces one not yet read
-    (a consumer that falls behind holds one output, not one per step). An exception is final."""
+class _Mailbox:
+    """A stream's news flag: set when the core reported tokens (any number of steps' worth) for the
+    request, or to an exception, which is final."""
 
-    __slots__ = ("item", "event")
+    __slots__ = ("error", "event")
 
     def __init__(self) -> None:
-        self.item = None
+        self.error: BaseException | None = None
         self.event = asyncio.Event()
 
-    def put(self, item) -> None:
-        if not isinstance(self.item, BaseException):
-            self.item = item
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
         self.event.set()
 
-    async def get(self):
+    async def wait(self) -> None:
         await self.event.wait()
-        item, self.item = self.item, None
         self.event.clear()
-        return item
+        if self.error is not None:
+            raise self.error
+
+
+class CoreThread:
+    """Transport: the engine core in a daemon thread of this process."""
+
+    def __init__(self, engine: LLMEngine, on_output: Callable[[StepOutput], None],
+                 on_dead: Callable[[str], None]) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._core = EngineCore(engine)
+        self._on_output, self._on_dead = on_output, on_dead
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, msg: CoreInput) -> None:
+        self._inbox.put(msg)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._inbox.put(Shutdown())
+        self._thread.join(timeout)
+
+    def _receive(self, block: bool) -> list[CoreInput]:
+        msgs = [self._inbox.get()] if block else []
+        while True:
+            try:
+                msgs.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return msgs
+
+    def _run(self) -> None:
+        try:
+            self._core.run(self._receive, lambda client, out: self._on_output(out))
+        except BaseException as e:  # noqa: BLE001 - reported to every stream, then the thread ends
+            logger.exception("the engine thread died")
+            self._on_dead(f"the engine thread died: {type(e).__name__}: {e}")
+            return
+        self._on_dead("the engine was shut down")
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | EngineConfig) -> None:
-        self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
-        self._cond = threading.Condition()
-        self._new: list = []
-        self._aborts: list[str] = []
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Latest]] = {}
-        self._stopped = False
-        self._stats = self.engine.stats()
-        self.num_steps = 0
-        self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
-        self._thread.start()
+    def __init__(self, engine: LLMEngine | EngineConfig, *, on_dead: Callable[[str], None] | None = None,
+                 log_level: str = "WARNING") -> None:
+        """`engine`: an LLMEngine to run in a thread, or an EngineConfig to build and run in an engine
+        core process (started here; this returns once it is ready, or raises why it failed).
+        `on_dead(reason)` is called (from another thread) if the core dies while in use."""
+        self._streams: dict[str, _Mailbox] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats: dict = {}
+        self._dead: str | None = None
+        self._on_dead_cb = on_dead
+        if isinstance(engine, LLMEngine):
+            self.tokenizer = engine.tokenizer
+            self.model_info: ModelInfo = engine.model_info()
+            self.engine: LLMEngine | None = engine
+            self._stats = engine.stats()
+            self.outputs = OutputProcessor(self.tokenizer)
+            self._core = CoreThread(engine, self._on_output, self._on_dead)
+        else:
+            from specserve.engine.core_process import CoreProcess
+
+            self.engine = None
+            self._core = CoreProcess(engine, self._on_output, self._on_dead, log_level=log_level)
+            self.tokenizer, self.model_info = self._core.tokenizer, self._core.model_info
+            self._stats = self._core.stats
+            self.outputs = OutputProcessor(self.tokenizer)
+        info = self.model_info
+        self.intake = Intake(self.tokenizer, info.vocab_size, info.max_model_len)
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine core is gone, or None while it runs."""
+        return self._dead
+
+    @property
+    def pid(self) -> int | None:
+        """The engine core process's pid (None for an engine in a thread)."""
+        return getattr(self._core, "pid", None)
 
     # -- caller side (asyncio) -------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative RequestOutputs until finished. Raises ValueError on bad input at once,
-        RequestFailedError if engine steps failed with this request. `owner` (a client request or
-        socket) is the unit the scheduler shares sequence slots fairly between."""
-        if self._stopped:
-            raise EngineDeadError("the engine is stopped")
-        group = self.engine.make_requests(request_id, prompt, params, owner=owner)
-        req_id = group.request_id
-        queue = _Latest()
-        with self._cond:
-            if req_id in self._streams:
-                raise ValueError(f"request id {req_id!r} is already in use")
-            self._streams[req_id] = (asyncio.get_running_loop(), queue)
-            self._new.append(group)
-            self._cond.notify()
+        RequestFailedError if engine steps failed with this request, EngineDeadError if the core is
+        gone. `owner` (a client request or socket) is the unit the scheduler shares sequence slots
+        fairly between."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        params = params or SamplingParams()
+        validated = self.intake.prompt(prompt)
+        req_id = request_id or uuid.uuid4().hex
+        self._bind_loop()
+        if req_id in self._streams:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        mailbox = _Mailbox()
+        self.outputs.add(req_id, validated, params)
+        self._streams[req_id] = mailbox
         finished = False
         try:
+            self._core.send(AddRequest(req_id, validated.token_ids, params, owner, time.monotonic()))
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                await mailbox.wait()
+                if req_id not in self.outputs:
+                    continue
+                out = self.outputs.output(req_id)
+                finished = out.finished
+                yield out
                 if finished:
                     return
+        except (RequestFailedError, EngineDeadError, ValueError):
+            finished = True  # the core has forgotten it
+            raise
         finally:
+            self._streams.pop(req_id, None)
+            self.outputs.remove(req_id)
             if not finished:
                 self.abort(req_id)
-            with self._cond:
-                self._streams.pop(req_id, None)
 
     def abort(self, request_id: str) -> None:
-        with self._cond:
-            self._aborts.append(request_id)
-            self._cond.notify()
+        if self._dead is None:
+            self._core.send(Abort([request_id]))
 
     def stats(self) -> dict:
-        """A snapshot taken by the core thread after its latest step."""
+        """A snapshot the core took after its latest step."""
         return dict(self._stats)
 
     def shutdown(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        self._thread.join(timeout=30)
+        """Stop the core (requests still running are aborted) and end every stream with EngineDeadError."""
+        self._core.shutdown()
+        self._on_dead("the engine was shut down")
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._streams:
+                raise RuntimeError("this AsyncEngine is streaming on another event loop")
+            self._loop = loop
 
-    @property
-    def intake(self):
-        """The engine's prompt intake (engine/intake.py): validate once, before a request is created."""
-        return self.engine.intake
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return self.engine.model_info()
-
-    # -- core thread -----------------------------------------------------------------------------
-    def _loop(self) -> None:
-        engine = self.engine
-        while True:
-            with self._cond:
-                while not (self._stopped or self._new or self._aborts or engine.has_unfinished()):
-                    self._cond.wait()
-                if self._stopped:
-                    break
-                new, self._new = self._new, []
-                aborts, self._aborts = self._aborts, []
-            for req_id in aborts:
-                engine.abort(req_id)
-            for group in new:
-                if group.request_id in aborts:
-                    continue
-                try:
-                    engine.add_group(group)
-                except ValueError as e:
-                    self._deliver(group.request_id, e)
-            if not engine.has_unfinished():
-                self._stats = engine.stats()
-                continue
+    # -- the core's messages (another thread) ----------------------------------------------------
+    def _on_output(self, out: StepOutput) -> None:
+        if out.stats is not None:
+            self._stats = out.stats
+        if (out.updates or out.failed or out.rejected) and self._loop is not None:
             try:
-                outputs = engine.step()  # a step that raises is isolated inside: see isolation.py
-            except Exception as e:  # the isolation itself broke: fail everything, keep serving
-                logger.exception("engine step failed")
-                for req_id in list(engine.groups):
-                    engine.abort(req_id)
-                    self._deliver(req_id, EngineDeadError(f"engine step failed: {e}"))
-                self._stats = engine.stats()
-                continue
-            self.num_steps += 1
-            self._stats = engine.stats()
-            for out in outputs:
-                self._deliver(out.request_id, out)
-            for req_id, why in engine.take_failures().items():
-                self._deliver(req_id, RequestFailedError(f"the engine failed this request: {why}"))
-        with self._cond:
-            streams = list(self._streams)
-        for req_id in streams:
-            self._deliver(req_id, EngineDeadError("the engine was shut down"))
+                self._loop.call_soon_threadsafe(self._dispatch, out)
+            except RuntimeError:  # the loop is closed: nobody is streaming
+                pass
 
-    def _deliver(self, req_id: str, item) -> None:
-        with self._cond:
-            target = self._streams.get(req_id)
-        if target is None:
-            return
-        loop, queue = target
-        try:
-            loop.call_soon_threadsafe(queue.put, item)
-        except RuntimeError:  # the caller's loop is closed
-            pass
+    def _dispatch(self, out: StepOutput) -> None:
+        """On the loop: take the step's tokens in, wake the streams that got news."""
+        stops = []
+        for u in out.updates:
+            mailbox = self._streams.get(u.request_id)
+            if mailbox is None:
+                continue
+            _, ended = self.outputs.process(u)
+            stops += ended
+            mailbox.event.set()
+        for sid, stop in stops:
+            self._core.send(StopSample(sid, stop))
+        for req_id, why in out.failed.items():
+            if req_id in self._streams:
+                self._streams[req_id].fail(RequestFailedError(f"the engine failed this request: {why}"))
+        for req_id, why in out.rejected.items():
+            if req_id in self._streams:
+                self._streams[req_id].fail(ValueError(why))
+
+    def _on_dead(self, reason: str) -> None:
+        first = self._dead is None
+        self._dead = self._dead or reason
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._fail_all)
+            except RuntimeError:
+                pass
+        if first and self._on_dead_cb is not None and reason != "the engine was shut down":
+            self._on_dead_cb(reason)
+
+    def _fail_all(self) -> None:
+        for mailbox in list(self._streams.values()):
+            mailbox.fail(EngineDeadError(self._dead))

@@ -1,6 +1,8 @@
-"""LLMEngine: each step schedules, launches (model runner), collects and resolves (scheduler), then
-detokenizes; the engine API is add_request / step / abort. Built by engine/build.py; the AsyncEngine
-wrapping it for servers lives in async_engine.py."""
+"""LLMEngine: each step schedules, launches (model runner), collects and resolves (scheduler); the
+engine API is add_request / step / abort. `step_updates()` is the step as the engine core reports it
+(new token ids per request: messages.RequestUpdate); `step()` also turns them into RequestOutputs
+(text, stop strings) through an OutputProcessor. Built by engine/build.py; engine/core.py runs it
+for servers (in a thread or its own process)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,10 +12,11 @@ from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
 from specserve.engine.build import build_engine
-from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.intake import Intake, Prompt
 from specserve.engine.isolation import StepIsolation
-from specserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specserve.engine.messages import ModelInfo, RequestUpdate, SampleUpdate, sample_id
+from specserve.engine.output_processor import OutputProcessor
+from specserve.engine.outputs import RequestMetrics, RequestOutput
 from specserve.engine.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.metrics import SpecDecodingStats
@@ -21,16 +24,7 @@ from specserve.spec_decode.metrics import SpecDecodingStats
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict | Prompt
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What a front end needs to know about the served model (instead of reaching into the engine)."""
-
-    model: str  # the path or name it was loaded from
-    max_model_len: int
-    vocab_size: int
-    speculative: dict | None  # {method, num_speculative_tokens, draft_model}, None without speculation
+__all__ = ["LLMEngine", "ModelInfo", "PromptType"]
 
 
 @dataclass
@@ -38,12 +32,11 @@ class _Group:
     """A user request: one child Request per parallel sample (SamplingParams.n)."""
 
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    prompt: Prompt
+    params: SamplingParams
     children: list[Request]
-    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
-    seen: list[int] = field(default_factory=list)  # output tokens already detokenized, per child
-
+    sent: list[int] = field(default_factory=list)  # output tokens already reported, per child
+    ended: list[bool] = field(default_factory=list)  # the child's end was reported
 
 class LLMEngine:
     """The engine API: add_request / step / abort (and fork_request, take_failures, stats). Its parts
@@ -70,6 +63,7 @@ class LLMEngine:
         self.async_scheduling = async_scheduling if async_scheduling is not None else self.device.type == "cuda"
         self._inflight = None  # a launched step whose sampled tokens are still on the device
         self._touched: dict[str, _Group] = {}  # groups with news since the last step() returned
+        self.outputs = OutputProcessor(self.tokenizer)  # text for the requests of add_request
         self.num_deferred_steps = 0  # steps left in flight by async scheduling
         self.isolation = StepIsolation(self)
         self._stepping: tuple | None = None  # (SchedulerOutput, in-flight SchedulerOutput | None) of step()
@@ -86,29 +80,24 @@ class LLMEngine:
         return self.runner.proposer
 
     # -- requests --------------------------------------------------------------------------------
-    def make_requests(self, request_id: str | None, prompt: PromptType,
-                      params: SamplingParams | None = None, owner: str | None = None) -> _Group:
+    def make_requests(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                      owner: str | None = None, arrival_time: float | None = None) -> _Group:
         """Tokenize and validate through `intake` (thread-safe, touches no engine state; a `Prompt`
         from intake is taken as it is). `owner`: see Scheduler."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         validated = self.intake.prompt(prompt)
-        text, ids = validated.text, validated.token_ids
+        times = {} if arrival_time is None else {"arrival_time": arrival_time}
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, list(ids), child_params, self.eos_token_ids, prompt=text,
-                                    owner=owner))
+            children.append(Request(sample_id(request_id, i, params.n), list(validated.token_ids), child_params,
+                                    self.eos_token_ids, prompt=validated.text, owner=owner, **times))
         # n > 1: only the first child is scheduled; the prompt is prefilled once and the others fork
         # from it at its first sample (same prompt logits, each child's own generator: seed + i)
         children[0].forks = children[1:]
-        detoks = [IncrementalDetokenizer(self.tokenizer, ids, c.sampling_params.stop_strings,
-                                         c.sampling_params.include_stop_str_in_output,
-                                         c.sampling_params.skip_special_tokens)
-                  if self.tokenizer is not None else None for c in children]
-        return _Group(request_id, text, list(ids), children, detoks, [0] * len(children))
+        return _Group(request_id, validated, params, children, [0] * params.n, [False] * params.n)
 
     def _check_new_ids(self, group: _Group) -> None:
         ids = [group.request_id] + [c.request_id for c in group.children]
@@ -147,7 +136,7 @@ class LLMEngine:
         ids = source.all_token_ids[:num_tokens]
         text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
         group = self.make_requests(request_id, {"prompt_token_ids": ids}, params)
-        group.prompt = text
+        group.prompt = Prompt(text, group.prompt.token_ids)
         self._check_new_ids(group)
         for child in group.children:
             child.forks = []
@@ -155,52 +144,94 @@ class LLMEngine:
             self.scheduler.fork_request(source, child, num_tokens, num_tokens - 1)
             self._child_to_group[child.request_id] = group
         self.groups[group.request_id] = group
+        self.outputs.add(group.request_id, group.prompt, group.params)
         return group.request_id
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None) -> str:
+        """Add a request whose outputs `step()` returns (text included)."""
         group = self.make_requests(request_id, prompt, params)
         self.add_group(group)
+        self.outputs.add(group.request_id, group.prompt, group.params)
         return group.request_id
 
     def abort(self, request_id: str) -> None:
-        group = self.groups.pop(request_id, None)
+        self.outputs.remove(request_id)
+        group = self.groups.get(request_id)
         if group is None:
             return
         for child in group.children:
-            self._child_to_group.pop(child.request_id, None)
             self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+        self._retire(group)
+
+    def finish_sample(self, sample_id: str, stop: str) -> None:
+        """End one sample because its text matched the stop string `stop` (found by an
+        OutputProcessor); its end is not reported again."""
+        group = self._child_to_group.get(sample_id)
+        if group is None:
+            return
+        i = next(i for i, c in enumerate(group.children) if c.request_id == sample_id)
+        child = group.children[i]
+        if not child.is_finished:
+            self.scheduler.finish_request(sample_id, RequestStatus.FINISHED_STOPPED, stop)
+        group.ended[i] = True
+        if all(group.ended):
+            self._retire(group)
+
+    def _retire(self, group: _Group) -> None:
+        self.groups.pop(group.request_id, None)
+        self._touched.pop(group.request_id, None)
+        for child in group.children:
+            self._child_to_group.pop(child.request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """One engine step. Outputs are cumulative, one per request that advanced (only those that
-        finished with `finished_only`, which saves building outputs nobody reads).
+        """One engine step: `step_updates()`, made into cumulative RequestOutputs (text, stop strings),
+        one per request added with `add_request` that advanced (only those that finished with
+        `finished_only`, which saves building outputs nobody reads)."""
+        outputs = []
+        for update in self.step_updates():
+            if update.request_id not in self.outputs:
+                continue
+            finished, stops = self.outputs.process(update)
+            for sid, stop in stops:
+                self.finish_sample(sid, stop)
+            if finished or not finished_only:
+                outputs.append(self.outputs.output(update.request_id))
+        return outputs
+
+    def step_updates(self) -> list[RequestUpdate]:
+        """One engine step: the new token ids of every request that advanced.
 
         With async scheduling a plain decode step is left in flight: the next call schedules and
         launches its successor (whose inputs take the in-flight tokens on the device) before waiting
-        for it, so the host's scheduling and bookkeeping overlap the device's work. Its outputs then
+        for it, so the host's scheduling and bookkeeping overlap the device's work. Its tokens then
         come one call later, and a request that stops may have computed one extra token, discarded.
 
         A step that raises fails no request by itself: see `isolation.py`. Requests found to make
         steps fail end, and `take_failures()` says which and why."""
         self._stepping = None
         try:
-            outputs = self._step(finished_only)
+            self._step()
         except Exception as e:  # noqa: BLE001 - one request's fault must not end the others
             self.isolation.step_failed(e, self._stepping)
             return []
         if self.scheduler.isolate:
             self.isolation.step_passed(self._stepping[0])
-        return outputs
+        touched, self._touched = self._touched, {}
+        return [self._update(g) for g in touched.values()]
 
     def take_failures(self) -> dict[str, str]:
         """Requests (by id) that the engine ended because steps failed with them, and why; each once."""
-        return self.isolation.take_failures()
+        failures = self.isolation.take_failures()
+        for req_id in failures:
+            self.outputs.remove(req_id)
+        return failures
 
-    def _step(self, finished_only: bool) -> list[RequestOutput]:
+    def _step(self) -> None:
         sched = self.scheduler.schedule()
         # what the isolation needs if this step fails: this step and the one still in flight
         self._stepping = (sched, self._inflight.sched if self._inflight is not None else None)
@@ -215,9 +246,6 @@ class LLMEngine:
             self.num_deferred_steps += 1
         else:
             self._finish(launched)
-        touched, self._touched = self._touched, {}
-        return [self._output(g) for g in touched.values()
-                if not finished_only or all(c.is_finished for c in g.children)]
 
     def _can_defer(self, sched) -> bool:
         """May this step's sampled tokens stay on the device while the next step is scheduled (and
@@ -248,47 +276,27 @@ class LLMEngine:
         self.spec_stats.observe(launched.sched, result)
         for request in self.scheduler.resolve(launched.sched, result):
             group = self._child_to_group.get(request.request_id)
-            if group is None:
+            if group is not None:
+                self._touched[group.request_id] = group
+
+    def _update(self, group: _Group) -> RequestUpdate:
+        """The group's tokens (and ends) not reported yet; a group whose every sample ended retires."""
+        samples = []
+        for i, child in enumerate(group.children):
+            if group.ended[i]:
                 continue
-            self._detokenize(group, request)
-            self._touched[group.request_id] = group
-
-    def _detokenize(self, group: _Group, request: Request) -> None:
-        i = group.children.index(request)
-        detok = group.detoks[i]
-        new = request.output_token_ids[group.seen[i]:]
-        group.seen[i] = len(request.output_token_ids)
-        if detok is None:
-            return
-        stop = detok.add_tokens(new)
-        if stop is not None and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
-        elif stop is not None:
-            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        if request.is_finished:
-            detok.flush()
-
-    def _output(self, group: _Group) -> RequestOutput:
-        outs = []
-        for i, (child, detok) in enumerate(zip(group.children, group.detoks)):
-            if detok is not None:
-                detok.take_delta()
-            outs.append(CompletionOutput(
-                index=i, text=detok.text[:detok.emitted] if detok is not None else "",
-                token_ids=list(child.output_token_ids),
-                finish_reason=child.status.value if child.is_finished else None,
-                stop_reason=child.stop_reason,
-                logprobs=list(child.logprobs) if child.logprobs is not None else None))
-        finished = all(c.is_finished for c in group.children)
-        if finished:
-            del self.groups[group.request_id]
-            for child in group.children:
-                self._child_to_group.pop(child.request_id, None)
+            sent, total = group.sent[i], child.num_output_tokens
+            finish = child.status.value if child.is_finished else None
+            if sent == total and finish is None:
+                continue
+            ids = child.output_token_ids[sent:]
+            lps = child.logprobs[sent:] if child.logprobs is not None else None
+            group.sent[i], group.ended[i] = total, finish is not None
+            samples.append(SampleUpdate(i, ids, lps, finish, child.stop_reason))
+        if all(group.ended):
+            self._retire(group)
         first = group.children[0]
-        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
-                             prompt_token_ids=group.prompt_token_ids, outputs=outs, finished=finished,
-                             num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=self._metrics(group))
+        return RequestUpdate(group.request_id, samples, max(first.num_cached_tokens, 0), self._metrics(group))
 
     @staticmethod
     def _metrics(group: _Group) -> RequestMetrics:

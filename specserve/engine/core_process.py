@@ -1,0 +1,242 @@
+"""The engine core in its own process, talking to front ends over ZeroMQ with msgpack messages.
+
+Why a process: the engine's step loop and a server's event loop (HTTP parsing, JSON, WebSocket
+frames for hundreds of streams) each want a whole core; in one process they take turns on one GIL.
+Why ZeroMQ (pyzmq) and msgspec: message framing, queueing and reconnects come for free over a Unix
+socket (`ipc://`), sends never block the step loop, and msgspec encodes a step's Structs (every
+request's new tokens) in microseconds. This is the pair vLLM's engine core uses too.
+
+Topology: the core binds one PULL socket for its input (every front end PUSHes AddRequest / Abort /
+StopSample / Shutdown to it); each front end binds a PULL socket for its outputs and the core PUSHes
+that front end's StepOutput to it after every step. The start-up handshake (the model's facts and
+the tokenizer, or why loading failed) goes over a multiprocessing pipe.
+
+Lifetime: the core ignores SIGINT (Ctrl-C reaches the whole process group; the front end decides),
+exits when told (Shutdown), and dies with its parent (PR_SET_PDEATHSIG on Linux, and a parent check
+while idle elsewhere), so no engine process outlives the server.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing import connection, get_context
+
+import msgspec
+import zmq
+
+from specserve.config import EngineConfig
+from specserve.engine.messages import CoreInput, ModelInfo, Shutdown, StepOutput
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 500  # how often an idle core checks that its parent is alive
+SHUTDOWN_TIMEOUT_S = 15.0
+_input_decoder = msgspec.msgpack.Decoder(CoreInput)
+_output_decoder = msgspec.msgpack.Decoder(StepOutput)
+
+
+def exit_reason(code: int | None) -> str:
+    if code is None:
+        return "is not responding"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class CoreProcess:
+    """Transport: start the engine core process for `config` and talk to it (see the module doc).
+    The constructor returns once the core is ready (or raises why it is not)."""
+
+    def __init__(self, config: EngineConfig, on_output: Callable[[StepOutput], None],
+                 on_dead: Callable[[str], None], log_level: str = "WARNING") -> None:
+        self._on_output, self._on_dead = on_output, on_dead
+        self._dir = tempfile.mkdtemp(prefix="specserve-core-")
+        input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output-0"
+        self._ctx = zmq.Context()
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.bind(output_addr)
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.connect(input_addr)
+        self._send_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._stopping = False
+        parent_conn, child_conn = get_context("spawn").Pipe()
+        self.process = get_context("spawn").Process(
+            target=run_core, name="specserve-engine-core",
+            args=(config, input_addr, [output_addr], child_conn, log_level, os.getpid()))
+        self.process.start()
+        child_conn.close()
+        try:
+            info = self._handshake(parent_conn)
+        except BaseException:
+            self._stop_process(1.0)
+            self._close()
+            raise
+        self.model_info: ModelInfo = msgspec.msgpack.decode(info["model_info"], type=ModelInfo)
+        self.tokenizer = pickle.loads(info["tokenizer"])
+        self.stats: dict = info["stats"]
+        self.warmup_seconds: float = info["warmup_seconds"]
+        self._receiver = threading.Thread(target=self._receive, name="specserve-core-output", daemon=True)
+        self._receiver.start()
+        self._monitor = threading.Thread(target=self._watch, name="specserve-core-monitor", daemon=True)
+        self._monitor.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def _handshake(self, conn) -> dict:
+        ready = connection.wait([conn, self.process.sentinel])
+        if conn in ready:
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                kind, payload = "error", None
+            if kind == "ready":
+                return payload
+            if payload is not None:
+                raise RuntimeError(payload)
+        self.process.join(5)
+        raise RuntimeError(f"the engine process {exit_reason(self.process.exitcode)} while loading")
+
+    def send(self, msg: CoreInput) -> None:
+        data = self._encoder.encode(msg)
+        with self._send_lock:
+            if not self._in.closed:
+                self._in.send(data, copy=False)
+
+    def _receive(self) -> None:
+        sock = self._out
+        while True:
+            try:
+                frame = sock.recv(copy=False)
+            except zmq.ZMQError:  # closed: shutting down
+                return
+            self._on_output(_output_decoder.decode(frame.buffer))
+
+    def _watch(self) -> None:
+        self.process.join()
+        if not self._stopping:
+            reason = f"the engine process {exit_reason(self.process.exitcode)}"
+            logger.error("%s", reason)
+            self._on_dead(reason)
+
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Tell the core to stop (it aborts what runs), wait for it, then close the sockets."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.send(Shutdown())
+        self._stop_process(timeout)
+        self._close()
+
+    def _stop_process(self, timeout: float) -> None:
+        proc = self.process
+        proc.join(timeout)
+        if proc.is_alive():
+            logger.warning("the engine process did not stop within %.0fs; terminating it", timeout)
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+    def _close(self) -> None:
+        with self._send_lock:
+            self._in.close(linger=0)
+        self._out.close(linger=0)  # ends the receiver thread
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# -- the child ---------------------------------------------------------------------------------------
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            PR_SET_PDEATHSIG = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:  # no libc by that name: the idle parent check still applies
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def run_core(config: EngineConfig, input_addr: str, output_addrs: list[str], conn, log_level: str,
+             parent_pid: int) -> None:
+    """The engine core process: build the engine, say ready (or why not), serve until Shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent_pid)
+    logging.basicConfig(level=getattr(logging, str(log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from specserve.engine.engine import LLMEngine
+
+        t0 = time.perf_counter()
+        engine = LLMEngine(config)
+        info = {"model_info": msgspec.msgpack.encode(engine.model_info()),
+                "tokenizer": pickle.dumps(engine.tokenizer), "stats": engine.stats(),
+                "warmup_seconds": engine.warmup_seconds, "load_seconds": time.perf_counter() - t0}
+    except BaseException as e:  # noqa: BLE001 - any load failure goes to the front end, verbatim
+        logger.exception("loading the engine failed")
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.close()
+        sys.exit(1)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(input_addr)
+    outs = []
+    for addr in output_addrs:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(addr)
+        outs.append(sock)
+    conn.send(("ready", info))
+    conn.close()
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+
+    def receive(block: bool) -> list[CoreInput]:
+        msgs = []
+        if block:
+            while not poller.poll(POLL_MS):
+                if os.getppid() != parent_pid:
+                    logger.error("the server process is gone; the engine core exits")
+                    return [Shutdown()]
+        while True:
+            try:
+                frame = inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return msgs
+            msgs.append(_input_decoder.decode(frame.buffer))
+
+    encoder = msgspec.msgpack.Encoder()
+
+    def send(client: int, out: StepOutput) -> None:
+        outs[client].send(encoder.encode(out), copy=False)
+
+    from specserve.engine.core import EngineCore
+
+    core = EngineCore(engine, len(outs))
+    try:
+        core.run(receive, send)
+    finally:
+        leaked = engine.kv_manager.pool.num_used_blocks
+        if leaked:
+            logger.error("the engine core stops with %d KV blocks still held", leaked)
+        for sock in outs:
+            sock.close()
+        inbox.close(linger=0)
+        ctx.term()
