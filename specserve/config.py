@@ -147,6 +147,8 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # run the first batches' shapes once before use (engine.py: LLMEngine.warm_up); None = on for CUDA
+    warmup: bool | None = None
     # CPU threads for torch's math (torch.set_num_threads); None = torch's default (one per core)
     threads: int | None = None
 
@@ -164,7 +166,7 @@ _MODEL_KEYS = {"model", "dtype", "load_format", "max_model_len", "quantization",
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                "enable_prefix_caching"}
 _SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens", "async_scheduling"}
-_TOP_KEYS = {"device", "attention_backend", "enforce_eager", "threads"}
+_TOP_KEYS = {"device", "attention_backend", "enforce_eager", "threads", "warmup"}
 _SPEC_KEYS = {"speculative_config", "draft_model", "num_speculative_tokens", "draft_quantization",
               "draft_load_format"}
 ENGINE_ARG_NAMES = _MODEL_KEYS | _CACHE_KEYS | _SCHED_KEYS | _TOP_KEYS | _SPEC_KEYS

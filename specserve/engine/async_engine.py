@@ -112,6 +112,7 @@ class AsyncEngine:
             self.model_info: ModelInfo = engine.model_info()
             self.engine: LLMEngine | None = engine
             self._stats = engine.stats()
+            self.warmup_seconds = engine.warmup_seconds
             self.outputs = OutputProcessor(self.tokenizer)
             self._core = CoreThread(engine, self._on_output, self._on_dead)
         else:
@@ -121,6 +122,7 @@ class AsyncEngine:
             self._core = CoreProcess(engine, self._on_output, self._on_dead, log_level=log_level)
             self.tokenizer, self.model_info = self._core.tokenizer, self._core.model_info
             self._stats = self._core.stats
+            self.warmup_seconds = self._core.warmup_seconds
             self.outputs = OutputProcessor(self.tokenizer)
         info = self.model_info
         self.intake = Intake(self.tokenizer, info.vocab_size, info.max_model_len)

@@ -12,8 +12,9 @@ that front end's StepOutput to it after every step. The start-up handshake (the 
 the tokenizer, or why loading failed) goes over a multiprocessing pipe.
 
 Lifetime: the core ignores SIGINT (Ctrl-C reaches the whole process group; the front end decides),
-exits when told (Shutdown), and dies with its parent (PR_SET_PDEATHSIG on Linux, and a parent check
-while idle elsewhere), so no engine process outlives the server.
+exits when told (Shutdown), and exits when its parent is gone (checked before every step and every
+POLL_MS while idle; PR_SET_PDEATHSIG would fire when the *thread* that started it ends), so no
+engine process outlives the server.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class CoreProcess:
         self._in.connect(input_addr)
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
-        self._stopping = False
+        self._stopping = self._closing = False
         parent_conn, child_conn = get_context("spawn").Pipe()
         self.process = get_context("spawn").Process(
             target=run_core, name="specserve-engine-core",
@@ -118,13 +119,14 @@ class CoreProcess:
                 self._in.send(data, copy=False)
 
     def _receive(self) -> None:
+        """The receiver thread owns the output socket (zmq sockets are not thread-safe)."""
         sock = self._out
-        while True:
-            try:
-                frame = sock.recv(copy=False)
-            except zmq.ZMQError:  # closed: shutting down
-                return
-            self._on_output(_output_decoder.decode(frame.buffer))
+        try:
+            while not self._closing:
+                if sock.poll(100):
+                    self._on_output(_output_decoder.decode(sock.recv(copy=False).buffer))
+        finally:
+            sock.close(linger=0)
 
     def _watch(self) -> None:
         self.process.join()
@@ -154,31 +156,23 @@ class CoreProcess:
             proc.join(5)
 
     def _close(self) -> None:
+        self._closing = True
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            receiver.join()
+        else:
+            self._out.close(linger=0)
         with self._send_lock:
             self._in.close(linger=0)
-        self._out.close(linger=0)  # ends the receiver thread
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
 # -- the child ---------------------------------------------------------------------------------------
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            PR_SET_PDEATHSIG = 1
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:  # no libc by that name: the idle parent check still applies
-            pass
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
 def run_core(config: EngineConfig, input_addr: str, output_addrs: list[str], conn, log_level: str,
              parent_pid: int) -> None:
     """The engine core process: build the engine, say ready (or why not), serve until Shutdown."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
     logging.basicConfig(level=getattr(logging, str(log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -210,11 +204,12 @@ def run_core(config: EngineConfig, input_addr: str, output_addrs: list[str], con
 
     def receive(block: bool) -> list[CoreInput]:
         msgs = []
-        if block:
-            while not poller.poll(POLL_MS):
-                if os.getppid() != parent_pid:
-                    logger.error("the server process is gone; the engine core exits")
-                    return [Shutdown()]
+        while True:  # before every step, and every POLL_MS while idle: is the parent still there?
+            if os.getppid() != parent_pid:
+                logger.error("the server process is gone; the engine core exits")
+                return [Shutdown()]
+            if not block or poller.poll(POLL_MS):
+                break
         while True:
             try:
                 frame = inbox.recv(zmq.NOBLOCK, copy=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -67,6 +68,52 @@ class LLMEngine:
         self.num_deferred_steps = 0  # steps left in flight by async scheduling
         self.isolation = StepIsolation(self)
         self._stepping: tuple | None = None  # (SchedulerOutput, in-flight SchedulerOutput | None) of step()
+        warmup = parts.config.warmup
+        self.warmup_seconds = self.warm_up() if (warmup if warmup is not None else self.device.type == "cuda") else 0.0
+
+    def warm_up(self) -> float:
+        """Run the shapes the first real batches use, then forget them; returns the seconds it took.
+
+        On a GPU, Triton compiles each kernel on its first call and the first large forwards set up
+        cuBLAS and the allocator: seconds that would otherwise land in the first users' requests.
+        The run: as many prompts as make one full prefill chunk (max_num_batched_tokens), decoded
+        at that batch size; a prompt longer than a chunk (chunked prefill beside decodes); a random
+        sampling request. Afterwards the prefix cache and the counters are reset, so neither the
+        cache nor the metrics show it."""
+        t0 = time.perf_counter()
+        sc = self.config.scheduler
+        budget = sc.max_num_batched_tokens
+        longest = max(1, self.max_model_len - 8)
+        batch = max(1, min(sc.max_num_seqs - 2, 64, budget // 16))
+        lengths = [max(1, min(budget // batch, longest))] * batch + [min(budget + budget // 2, longest)]
+        room = self.kv_manager.pool.num_blocks * self.config.cache.block_size
+        while len(lengths) > 1 and sum(n + 8 for n in lengths) > room // 2:  # a small KV pool: fewer
+            lengths.pop(0)
+        vocab = self.loaded.arch.vocab_size
+        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        ids = []
+        for k, n in enumerate(lengths):  # distinct prompts: no prefix hits between them
+            ids.append(self.add_request(f"warmup-{k}", [(k * 7919 + i * 104729) % vocab for i in range(n)],
+                                        greedy))
+        ids.append(self.add_request("warmup-random", [(i * 31 + 5) % vocab for i in range(16)],
+                                    SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=4,
+                                                   seed=0, ignore_eos=True)))
+        logger.info("warming up: %d prompts (%d tokens) through prefill, chunked prefill and decode ...",
+                       len(ids), sum(lengths) + 16)
+        try:
+            while self.has_unfinished():
+                self.step(finished_only=True)
+        finally:
+            for req_id in ids:
+                self.abort(req_id)
+        self.take_failures()
+        self.kv_manager.reset_prefix_cache()
+        self.kv_manager.prefix_stats = type(self.kv_manager.prefix_stats)()
+        self.spec_stats = SpecDecodingStats(len(self.spec_stats.accepted_per_pos))
+        self.num_deferred_steps = self.scheduler.num_preemptions = 0
+        seconds = time.perf_counter() - t0
+        logger.info("warm-up done in %.1fs", seconds)
+        return seconds
 
     def model_info(self) -> ModelInfo:
         spec = self.config.spec

@@ -44,11 +44,12 @@ def web_dir() -> Path:
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    if state.phase == "ready":
+    phase = state.current_phase
+    if phase == "ready":
         return JSONResponse({"status": "ok", "model": state.model_name})
-    body = {"status": state.phase, "model": state.model_name}
-    if state.load_error:
-        body["error"] = state.load_error
+    body = {"status": phase, "model": state.model_name}
+    if state.error:
+        body["error"] = state.error
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 

@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from specserve.config import engine_config_from_args
     from specserve.engine.async_engine import AsyncEngine
-    from specserve.engine.engine import LLMEngine
     from specserve.server.app import build_app, uvicorn_config
     from specserve.server.settings import ServerSettings, model_aliases, served_name_for
 
@@ -188,6 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        "names clients use with --allowed-hosts")
 
     failures: list[BaseException] = []
+    died: list[str] = []
     server: uvicorn.Server | None = None
 
     def on_load_error(e: BaseException) -> None:
@@ -195,13 +196,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    def on_ready() -> None:
-        print(f"specserve: {name} is ready", file=sys.stderr, flush=True)
+    def on_engine_dead(reason: str) -> None:  # streams end with engine_dead; /health says 503 until exit
+        died.append(reason)
+        print(f"specserve: error: {reason}; stopping the server", file=sys.stderr, flush=True)
+        if server is not None:
+            server.should_exit = True
 
-    app = build_app(lambda: AsyncEngine(LLMEngine(config)), settings, name, on_load_error, on_ready)
+    def on_ready() -> None:
+        engine = app.state.server.engine
+        warm = f", warm-up {engine.warmup_seconds:.1f}s" if engine.warmup_seconds else ""
+        print(f"specserve: {name} is ready (engine core pid {engine.pid}{warm})", file=sys.stderr, flush=True)
+
+    app = build_app(lambda: AsyncEngine(config, on_dead=on_engine_dead, log_level=args.log_level),
+                    settings, name, on_load_error, on_ready)
     server = uvicorn.Server(uvicorn_config(app, settings, args.log_level))
     print(f"specserve: serving {name} on http://{settings.host}:{settings.port} (loading the model...)",
           file=sys.stderr, flush=True)
+    # uvicorn handles SIGINT/SIGTERM while it runs (stop accepting, finish or cancel what is in
+    # flight, then the lifespan stops the engine core) and re-raises the signal afterwards: with
+    # this handler in place a SIGTERM ends in "stopped" and exit code 0, like Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     try:
         server.run()
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has already shut down gracefully and re-raised it
@@ -210,4 +224,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if failures:
         print(f"specserve: error: loading the model failed: {failures[0]}", file=sys.stderr)
         return 1
-    return 0
+    return 1 if died else 0

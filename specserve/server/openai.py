@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specserve.engine.async_engine import AsyncEngine
+from specserve.engine.async_engine import AsyncEngine, EngineDeadError
 from specserve.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,7 +55,7 @@ def _ready(request: Request) -> tuple[ServerState, AsyncEngine]:
     try:
         return state, state.require_engine()
     except NotReadyError as e:
-        raise OpenAIError(503, str(e), type="service_unavailable", code="model_not_ready") from None
+        raise OpenAIError(503, str(e), type="service_unavailable", code=e.code) from None
 
 
 async def _read_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
@@ -215,9 +215,9 @@ async def _respond(request: Request, state: ServerState, engine: AsyncEngine, re
         if not await _until_disconnect(request, work):
             return Response(status_code=499)  # nobody is listening; the requests were aborted
         await work
-    except Exception as e:  # engine failure: 500, the server goes on
+    except Exception as e:  # engine failure: 500 (503 if the engine is gone), the server goes on
         logger.warning("request %s failed: %s", answer.id, e)
-        return _error_response(OpenAIError(500, f"generation failed: {e}", type="server_error"))
+        return _error_response(_generation_error(e))
     finally:
         for t in tasks:  # after a failure (or a disconnect) the other samples stop too
             t.cancel()
@@ -229,6 +229,12 @@ async def _respond(request: Request, state: ServerState, engine: AsyncEngine, re
             choices.append(answer.final_choice(k * params.n + o.index, o.text, o.finish_reason,
                                                o.token_ids, o.logprobs))
     return JSONResponse(answer.head(choices, _usage(streams)))
+
+
+def _generation_error(e: Exception) -> OpenAIError:
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, f"generation failed: {e}", type="service_unavailable", code="engine_dead")
+    return OpenAIError(500, f"generation failed: {e}", type="server_error")
 
 
 async def _until_disconnect(request: Request, work: asyncio.Future) -> bool:
@@ -269,7 +275,7 @@ async def _sse(answer: _Answer, streams: list[RequestStream]) -> AsyncIterator[s
                 continue
             if isinstance(item, Exception):
                 logger.warning("stream %s failed: %s", answer.id, item)
-                yield _sse_line(OpenAIError(500, f"generation failed: {item}", type="server_error").body())
+                yield _sse_line(_generation_error(item).body())
                 break
             choices = []
             for d in item:

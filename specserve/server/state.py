@@ -19,11 +19,16 @@ from specserve.server.settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], AsyncEngine]
-Phase = Literal["loading", "ready", "failed", "stopped"]
+Phase = Literal["loading", "ready", "failed", "dead", "stopped"]
 
 
 class NotReadyError(Exception):
-    """The engine is still loading (or failed to load): HTTP 503 / `model_not_ready`."""
+    """No engine to serve with: HTTP 503 and `code` — `model_not_ready` (still loading, or loading
+    failed) or `engine_dead` (the engine core died)."""
+
+    def __init__(self, message: str, code: str = "model_not_ready") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class ServerState:
@@ -84,8 +89,26 @@ class ServerState:
             engine.shutdown()
 
     # -- access ----------------------------------------------------------------------------------
+    @property
+    def current_phase(self) -> Phase:
+        """The phase, "dead" once the engine core died while serving."""
+        engine = self.engine
+        if self.phase == "ready" and engine is not None and engine.dead is not None:
+            return "dead"
+        return self.phase
+
+    @property
+    def error(self) -> str | None:
+        """Why the server cannot serve: the load error, or how the engine core died."""
+        engine = self.engine
+        if engine is not None and engine.dead is not None and self.phase == "ready":
+            return engine.dead
+        return self.load_error
+
     def require_engine(self) -> AsyncEngine:
         engine = self.engine
+        if engine is not None and self.phase == "ready" and engine.dead is not None:
+            raise NotReadyError(f"the engine is gone: {engine.dead}", code="engine_dead")
         if engine is None or self.phase != "ready":
             if self.phase == "failed":
                 raise NotReadyError(f"the model failed to load: {self.load_error}")

@@ -40,6 +40,7 @@ from specserve.server.protocol import (
 )
 from specserve.server.security import api_key_matches, bearer_token, error_body, origin_allowed
 from specserve.server.state import NotReadyError, ServerState
+from specserve.engine.async_engine import EngineDeadError
 from specserve.engine.intake import PromptError
 from specserve.server.streaming import RequestStream
 from specserve.server.validation import InputError, check_request_size, template_role
@@ -212,7 +213,7 @@ class Session:
             engine = self.state.require_engine()
         except NotReadyError as e:
             try:
-                await self.send_error("model_not_ready", str(e), type="server_error")
+                await self.send_error(e.code, str(e), type="server_error")
                 await self.ws.close(CLOSE_TRY_AGAIN_LATER)
             except (_Closed, RuntimeError):
                 pass
@@ -318,7 +319,8 @@ class Session:
             raise
         except Exception as e:  # noqa: BLE001 - the engine failed this request; socket and server go on
             logger.warning("response %s failed: %s", rid, e)
-            return ErrorInfo(type="server_error", code="engine_error", message=str(e) or type(e).__name__,
+            code = "engine_dead" if isinstance(e, EngineDeadError) else "engine_error"
+            return ErrorInfo(type="server_error", code=code, message=str(e) or type(e).__name__,
                              response_id=rid)
         return None
 

@@ -43,9 +43,13 @@ def add_char_tokenizer(model_dir: Path, dest: Path, vocab_size: int = 320) -> Pa
     return dest
 
 
-def engine_factory(model: str | Path, **engine_args) -> Callable[[], AsyncEngine]:
+def engine_factory(model: str | Path, in_process: bool = False, **engine_args) -> Callable[[], AsyncEngine]:
+    """The engine core in its own process, as `specserve serve` runs it; `in_process=True`: in a
+    thread of this one (for tests that reach into the engine, e.g. to inject faults)."""
     config = engine_config_from_args(model=str(model), **engine_args)
-    return lambda: AsyncEngine(LLMEngine(config))
+    if in_process:
+        return lambda: AsyncEngine(LLMEngine(config))
+    return lambda: AsyncEngine(config)
 
 
 class ServerThread:

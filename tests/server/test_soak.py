@@ -25,7 +25,7 @@ def make_server(tiny_chat_dir):
 
     def make(config: tuple[dict, dict]) -> ServerThread:
         engine_args, settings = config
-        factory = engine_factory(tiny_chat_dir, dtype="float32", device="cpu", **engine_args)
+        factory = engine_factory(tiny_chat_dir, in_process=True, dtype="float32", device="cpu", **engine_args)
         servers.append(ServerThread(factory, "tiny", **settings))
         return servers[-1]
 
