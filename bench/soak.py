@@ -84,7 +84,8 @@ def model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:
 
 def start(model: Path, config: tuple[dict, dict]) -> ServerThread:
     engine_args, settings = config
-    return ServerThread(engine_factory(model, in_process=True, dtype="float32", device="cpu", **engine_args), "tiny", **settings)
+    factory = engine_factory(model, in_process=True, dtype="float32", device="cpu", **engine_args)
+    return ServerThread(factory, "tiny", **settings)
 
 
 def with_rss(result: PhaseResult, rss_start: int, check: bool) -> PhaseResult:

@@ -153,6 +153,8 @@ class _Answer:
         self.text_offsets: dict[int, int] = {}
         self.k = (req.top_logprobs or 0) if chat else (req.logprobs or 0)
         self.want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+        # chunks that carry tokens but no text yet are sent when the client reads tokens
+        self.want_tokens = self.want_logprobs or req.return_token_ids
 
     def head(self, choices: list, usage: dict | None = None, chunk: bool = False) -> dict:
         obj = self.object + (".chunk" if chunk and self.chat else "")
@@ -178,6 +180,8 @@ class _Answer:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(token_ids)
         return choice
 
     def delta_choice(self, index: int, d: Delta, first: bool) -> dict:
@@ -187,6 +191,8 @@ class _Answer:
             choice["delta"] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
         else:
             choice["text"] = d.text
+        if self.req.return_token_ids:
+            choice["token_ids"] = d.token_ids
         return choice
 
 
@@ -281,7 +287,7 @@ async def _sse(answer: _Answer, streams: list[RequestStream]) -> AsyncIterator[s
             for d in item:
                 index = k * answer.n + d.index
                 first = index not in started
-                if not (d.text or d.finish_reason or first or (answer.want_logprobs and d.token_ids)):
+                if not (d.text or d.finish_reason or first or (answer.want_tokens and d.token_ids)):
                     continue  # tokens whose text is held back (a partial character or stop string)
                 started.add(index)
                 choices.append(answer.delta_choice(index, d, first))

@@ -73,6 +73,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: CacheSalt | None = None
+    return_token_ids: bool = False  # each choice (and stream chunk) carries its output `token_ids`
 
     def _check_common(self) -> None:
         if self.logit_bias:

@@ -121,3 +121,21 @@ def test_bad_chat_input_and_unknown_model(client):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert missing.value.code == "model_not_found"
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_return_token_ids_streams_every_token_once(client, smol_server):
+    """vLLM's `return_token_ids`: the choices carry their token ids; streamed, every chunk's ids
+    together are the whole output (also for tokens whose text is still held back). Streamed chunks
+    are read without strict validation (see test_completion_stream)."""
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids = full.choices[0].model_extra["token_ids"]
+    assert len(ids) == full.usage.completion_tokens == 12
+    lax = openai.OpenAI(base_url=smol_server.http + "/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = lax.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                    stream=True, stream_options={"include_usage": True},
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    chunks = list(stream)
+    streamed = [t for c in chunks for ch in c.choices for t in ch.model_extra["token_ids"]]
+    assert streamed == ids and chunks[-1].usage.completion_tokens == 12
+    assert "".join(ch.text for c in chunks for ch in c.choices) == full.choices[0].text
