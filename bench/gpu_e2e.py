@@ -1,6 +1,8 @@
 """End-to-end GPU benchmarks on random weights of a real shape (default Llama-3.1-8B, bf16).
 
     python bench/gpu_e2e.py specserve --out r.json   # batch-1 decode + 256-request throughput
+    python bench/gpu_e2e.py specserve --no-flags --out r.json  # the same with LLM(model, load_format="dummy")
+    python bench/gpu_e2e.py vllm --out r.json        # vLLM's LLM on the same workload (PYTHONPATH: vLLM)
     python bench/gpu_e2e.py hf --out r.json          # HF transformers generate, same shape/workload
     python bench/gpu_e2e.py bandwidth --out r.json   # measured copy bandwidth -> batch-1 roofline
 
@@ -38,28 +40,42 @@ def copy_bandwidth() -> float:
 def bench_specserve(args) -> dict:
     from specserve import LLM, SamplingParams
 
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device=args.device,
-              max_model_len=args.max_model_len, max_num_seqs=max(args.requests, 1),
-              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              async_scheduling=args.async_scheduling,
-              gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
-              enable_prefix_caching=False)
+    t0 = time.perf_counter()
+    if args.no_flags:  # what a user who passes nothing but the (dummy) model gets
+        llm = LLM(args.model, load_format="dummy")
+    else:
+        llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device=args.device,
+                  max_model_len=args.max_model_len, max_num_seqs=max(args.requests, 1),
+                  max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+                  async_scheduling=args.async_scheduling,
+                  gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
+                  enable_prefix_caching=False)
+    startup = time.perf_counter() - t0
     vocab = llm.engine.loaded.arch.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     result = {"weight_bytes": llm.engine.weight_bytes, "kv_cache_bytes": llm.engine.kv_cache_bytes,
               "cuda_graphs": llm.engine.runner.graphs is not None,
               "async_scheduling": llm.engine.async_scheduling,
               "attention_backend": llm.engine.runner.target.backend.name,
-              "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens}
+              "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
+              "max_num_seqs": llm.engine.config.scheduler.max_num_seqs, "no_flags": args.no_flags,
+              "startup_s": startup, "warmup_s": llm.engine.warmup_seconds}
+    # the first batch right after start-up, timed (no warm-up of ours before it: the engine's own)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts(args.requests, args.prompt_len, vocab, 97)], params)
+    result["first_batch_tok_s"] = args.requests * args.new_tokens / (time.perf_counter() - t0)
     llm.generate([{"prompt_token_ids": p} for p in prompts(4, args.prompt_len, vocab, 99)], params)  # warm-up
 
     # batch 1: decode tokens/s between the first and the last token (prefill excluded), median of runs
-    rates = []
+    rates, e2e = [], []
     for r in range(args.repeats):
+        t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": prompts(1, args.prompt_len, vocab, r)[0]}], params)[0]
+        e2e.append(args.new_tokens / (time.perf_counter() - t0))
         m = out.metrics
         rates.append((args.new_tokens - 1) / (m.finished_time - m.first_token_time))
     result["batch1_decode_tok_s"] = statistics.median(rates)
+    result["batch1_e2e_tok_s"] = statistics.median(e2e)  # prefill included, as vLLM's is measured
     result["batch1_runs"] = rates
 
     # throughput: all requests at once, output tokens / wall time (after a short run of the same
@@ -74,6 +90,42 @@ def bench_specserve(args) -> dict:
         elapsed = time.perf_counter() - t0
         assert all(len(o.outputs[0].token_ids) == args.new_tokens for o in outs)
         tps.append(args.requests * args.new_tokens / elapsed)
+    result["throughput_tok_s"] = statistics.median(tps)
+    result["throughput_runs"] = tps
+    return result
+
+
+def bench_vllm(args) -> dict:
+    """vLLM's offline LLM with its defaults on the same workload (run with vLLM on PYTHONPATH, in a
+    process of its own: one engine per GPU)."""
+    import shutil
+    import tempfile
+
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from specserve.models.loader import dummy_config_path
+    model_dir = Path(tempfile.mkdtemp())
+    shutil.copy(dummy_config_path(args.model), model_dir / "config.json")
+    t0 = time.perf_counter()
+    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    result = {"startup_s": time.perf_counter() - t0}
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
+
+    def run(batch):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == args.new_tokens for o in outs)
+        return time.perf_counter() - t0
+
+    t = run(prompts(args.requests, args.prompt_len, vocab, 97))
+    result["first_batch_tok_s"] = args.requests * args.new_tokens / t
+    rates = [(args.new_tokens) / run(prompts(1, args.prompt_len, vocab, r)) for r in range(args.repeats)]
+    result["batch1_e2e_tok_s"] = statistics.median(rates)
+    tps = [args.requests * args.new_tokens / run(prompts(args.requests, args.prompt_len, vocab, 100 + r))
+           for r in range(args.repeats)]
     result["throughput_tok_s"] = statistics.median(tps)
     result["throughput_runs"] = tps
     return result
@@ -105,7 +157,9 @@ def bench_hf(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["specserve", "hf", "bandwidth"])
+    ap.add_argument("which", choices=["specserve", "vllm", "hf", "bandwidth"])
+    ap.add_argument("--no-flags", action="store_true",
+                    help="specserve: LLM(model, load_format='dummy') and nothing else (its defaults)")
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--requests", type=int, default=256)
@@ -125,6 +179,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.which == "specserve":
         res = bench_specserve(args)
+    elif args.which == "vllm":
+        res = bench_vllm(args)
     elif args.which == "hf":
         res = bench_hf(args)
     else:

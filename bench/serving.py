@@ -1,18 +1,32 @@
-"""Serving benchmark over the WebSocket API: TTFT, TPOT, ITL, throughput, failures.
+"""Serving benchmark: TTFT, TPOT, ITL, steady-state ITL, throughput and failures of `specserve serve`
+(or any OpenAI-compatible server) against the offline engine on the same workload.
 
-Load comes from ShareGPT prompts (first human turn of each conversation, sent as a chat message),
-at fixed concurrency (N simulated users, one socket each, each sending its next request when the
-last one is done) or at a Poisson arrival rate (one multiplexed socket). Every request asks for
-exactly --max-tokens output tokens (ignore_eos) so runs are comparable.
+Prompts are ShareGPT first turns (sent as a chat message) or, with --prompt-tokens N, N random token
+ids (no tokenizer, no data set: for `--load-format dummy` models). They go over the WebSocket API
+(--protocol ws) or OpenAI streaming HTTP (--protocol sse: /v1/completions, or /v1/chat/completions
+for text). Load is U closed-loop users (--concurrency; each sends its next request when its last
+one is done: --requests-per-user R each, or a shared queue of --num-prompts) or Poisson arrivals
+(--request-rate), spread over --client-procs processes that start together; the report gives each
+one's CPU utilisation, so one can see the load generator was not the bottleneck. Every request asks
+for exactly --max-tokens tokens (ignore_eos, greedy); runs never share a prompt (no prefix-cache hits
+between runs).
 
-    python bench/serving.py --concurrency 1 8 32 --num-prompts 16 32 64 --max-tokens 64 \
-        --out bench/results/serving_cpu.json --md bench/results/serving_cpu.md
+    python bench/serving.py --server-args "llama-3.1-8b --load-format dummy" --prompt-tokens 1024 \\
+        --concurrency 1 16 64 256 --requests-per-user 4 --max-tokens 256 --protocol sse \\
+        --client-procs 4 --offline --out bench/results/serving_gpu.json --md bench/results/serving_gpu.md
 
-Without --url it starts `specserve serve` (the default model, configs/cpu-default.yaml unless
---server-args says otherwise) in a subprocess on a free port and stops it at the end.
-Definitions (as vLLM's benchmark_serving): TTFT = first token-bearing delta - send; TPOT =
-(last token - first token) / (output tokens - 1); ITL = gaps between token-bearing deltas;
-E2E = done - send.
+Without --url it starts `specserve serve --port P <--server-args>` on a free port and stops it
+(SIGINT) after the runs. --offline then runs each concurrency's prompts through `LLM.generate` in
+a fresh process (engine flags parsed from --server-args as `specserve serve` parses them, with
+max_num_seqs = min(its value, U)); offline tok/s = output tokens / wall time of one generate call.
+
+Definitions (as vLLM's benchmark_serving): TTFT = first token-bearing event - send; TPOT = (last
+token event - first) / (output tokens - 1); ITL = the gaps between consecutive token-bearing events
+of one request; E2E = done - send; run duration = last request end - common start. Steady-state
+ITL = the ITL gaps that start inside [the moment the last request of the first wave (each user's
+first request) got its first token, the moment the first request of the run finished]: nobody's
+prompt is being prefilled then, so it is the decode cadence of a full, steady batch (none when that
+window is empty, e.g. with more users than the server's max-num-seqs; none for --request-rate).
 """
 from __future__ import annotations
 
@@ -29,130 +43,37 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from itertools import pairwise
+from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import sharegpt_conversations
-
-from specserve.client import AsyncClient, OutputTextDelta, ResponseDone, SpecserveError
+from serving_load import (  # noqa: E402
+    LoadJob, Prompt, Result, WorkerResult, call_in_processes, run_job, run_jobs, split_load)
 
 REPO = Path(__file__).resolve().parents[1]
 ENV_KEYS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")  # recorded: they change CPU numbers
+NUM_WARMUP_PROMPTS = 4
 
 
-@dataclass
-class Result:
-    ok: bool = False
-    status: str = ""
-    error: str = ""
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    ttft: float | None = None
-    e2e: float | None = None
-    itl: list[float] = field(default_factory=list)
-    tpot: float | None = None
+def token_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`num` prompts of `length` random ids in [10, vocab_size - 10) (clear of special tokens)."""
+    rng, ids = random.Random(seed), range(10, vocab_size - 10)
+    return [rng.choices(ids, k=length) for _ in range(num)]
 
 
-async def one_request(client: AsyncClient, prompt: str, max_tokens: int) -> Result:
-    r = Result()
-    t0 = time.perf_counter()
-    last = None
-    try:
-        stream = await client.create(messages=[{"role": "user", "content": prompt}],
-                                     max_output_tokens=max_tokens,
-                                     temperature=0.0, ignore_eos=True)
-        async for event in stream:
-            now = time.perf_counter()
-            if isinstance(event, OutputTextDelta) and event.token_ids:
-                if last is None:
-                    r.ttft = now - t0
-                else:
-                    r.itl.append(now - last)
-                last = now
-            elif isinstance(event, ResponseDone):
-                done = event.response
-                r.e2e = now - t0
-                r.status = done.status
-                r.input_tokens, r.output_tokens = done.usage.input_tokens, done.usage.output_tokens
-                r.cached_tokens = done.usage.cached_tokens
-                r.ok = done.status in ("completed", "incomplete") and r.output_tokens == max_tokens
-                if not r.ok:
-                    r.error = f"status {done.status}, {r.output_tokens} tokens"
-    except SpecserveError as e:
-        r.error = f"{e.code}: {e.message}"
-    if r.ok and r.output_tokens > 1 and r.ttft is not None:
-        r.tpot = (last - t0 - r.ttft) / (r.output_tokens - 1)
-    return r
+def text_prompts(num: int, max_chars: int, seed: int) -> list[str]:
+    from prompts import sharegpt_conversations  # reads (or downloads) ShareGPT: text mode only
 
-
-async def run_concurrency(url: str, prompts: list[str], concurrency: int, max_tokens: int,
-                          api_key: str | None) -> tuple[list[Result], float]:
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
-    results: list[Result] = []
-
-    async def user() -> None:
-        async with AsyncClient(url, api_key=api_key, read_timeout=600) as client:
-            while not queue.empty():
-                results.append(await one_request(client, queue.get_nowait(), max_tokens))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(concurrency)))
-    return results, time.perf_counter() - t0
-
-
-async def run_rate(url: str, prompts: list[str], rate: float, max_tokens: int, api_key: str | None,
-                   seed: int) -> tuple[list[Result], float]:
-    rng = random.Random(seed)
-    async with AsyncClient(url, api_key=api_key, read_timeout=600) as client:
-        t0 = time.perf_counter()
-        tasks = []
-        for p in prompts:
-            tasks.append(asyncio.create_task(one_request(client, p, max_tokens)))
-            await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - t0
-
-
-def _stats(values: list[float], scale: float = 1000.0) -> dict:
-    if not values:
-        return {"mean": None, "p50": None, "p99": None}
-    v = sorted(values)
-    p99 = v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]
-    return {"mean": statistics.fmean(v) * scale, "p50": statistics.median(v) * scale, "p99": p99 * scale}
-
-
-def summarize(results: list[Result], duration: float) -> dict:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.input_tokens for r in ok)
-    return {
-        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "mean_input_tokens": in_tokens / len(ok) if ok else None,
-        "prefix_cached_tokens": sum(r.cached_tokens for r in ok),
-        "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": _stats([g for r in ok for g in r.itl]),
-        "e2e_ms": _stats([r.e2e for r in ok if r.e2e is not None]),
-    }
-
-
-def load_prompts(num: int, max_chars: int, seed: int) -> list[str]:
     pairs = sharegpt_conversations(limit=4000)
-    prompts = [h for h, _ in pairs if 16 <= len(h) <= max_chars]
+    prompts = list(dict.fromkeys(h for h, _ in pairs if 16 <= len(h) <= max_chars))
     random.Random(seed).shuffle(prompts)
     if len(prompts) < num:
-        raise SystemExit(f"only {len(prompts)} ShareGPT prompts of at most {max_chars} characters")
+        raise SystemExit(f"only {len(prompts)} distinct ShareGPT prompts of at most {max_chars} characters, "
+                         f"{num} needed: fewer requests, or --prompt-tokens")
     return prompts[:num]
 
 
@@ -168,8 +89,7 @@ class ServerProcess:
         self.cmd = cmd
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
-        self.url = f"ws://127.0.0.1:{self.port}/v1/ws"
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 600  # a GPU start: model load + warm-up
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
@@ -191,8 +111,98 @@ class ServerProcess:
         self.log.close()
 
 
-def _ms(v: float | None) -> str:
-    return "–" if v is None else f"{v:.0f}"
+def http_base(url: str) -> str:
+    """http://host:port of a ws://host:port/v1/ws or http://host:port[/...] URL."""
+    u = urlsplit(url)
+    scheme = {"ws": "http", "wss": "https"}.get(u.scheme, u.scheme)
+    return f"{scheme}://{u.netloc}"
+
+
+def served_model(base: str, api_key: str | None) -> str | None:
+    """The first model of GET /v1/models (None if the server does not answer it)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        r = httpx.get(f"{base}/v1/models", headers=headers, timeout=10)
+        return r.json()["data"][0]["id"] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def _stats(values: list[float], scale: float = 1000.0) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None, "p99_over_p50": None, "count": 0}
+    v = sorted(values)
+    p50, p99 = statistics.median(v), v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]
+    return {"mean": statistics.fmean(v) * scale, "p50": p50 * scale, "p99": p99 * scale,
+            "p99_over_p50": p99 / p50 if p50 else None, "count": len(v)}
+
+
+def steady_window(results: list[Result]) -> tuple[float, float] | None:
+    """[last first token of the first wave, first request end], or None if empty or open loop."""
+    firsts = [r.token_times[0] for r in results if r.wave == 0 and r.token_times]
+    ends = [r.end for r in results if r.ok]
+    if not firsts or not ends or max(firsts) >= min(ends):
+        return None
+    return max(firsts), min(ends)
+
+
+def summarize(workers: list[WorkerResult]) -> dict:
+    results = [r for w in workers for r in w.results]
+    ok = [r for r in results if r.ok]
+    duration = max(r.end for r in results) - min(w.start for w in workers)
+    out_tokens, in_tokens = sum(r.output_tokens for r in ok), sum(r.input_tokens for r in ok)
+    window = steady_window(results)
+    steady = [] if window is None else [b - a for r in ok for a, b in pairwise(r.token_times)
+                                        if window[0] <= a <= window[1]]
+    return {
+        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "mean_input_tokens": in_tokens / len(ok) if ok else None,
+        "prefix_cached_tokens": sum(r.cached_tokens for r in ok),
+        "tokens_per_event": out_tokens / max(1, sum(len(r.token_times) for r in ok)),
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": _stats([b - a for r in ok for a, b in pairwise(r.token_times)]),
+        "steady_itl_ms": _stats(steady),
+        "steady_window_s": None if window is None else window[1] - window[0],
+        "e2e_ms": _stats([r.end - r.send for r in ok]),
+        "client_procs": [{"users": w.users, "requests": len(w.results), "cpu_s": w.cpu_s, "wall_s": w.wall_s,
+                          "cpu_util": w.cpu_s / w.wall_s} for w in workers],
+    }
+
+
+def offline_run(model: str | None, server_args: list[str], users: int, prompts: list[Prompt],
+                warmup: list[Prompt], max_tokens: int) -> dict:
+    """The offline engine on `prompts` at `users` concurrency. Run it in a fresh process: one engine
+    holds the device at a time, and the parent never imports torch."""
+    from specserve import LLM, SamplingParams
+    from specserve.cli import build_parser
+    from specserve.engine_args import engine_kwargs
+    from specserve.server.cli import resolve_serve_args
+
+    args = resolve_serve_args(build_parser().parse_args(["serve", *([model] if model else []), *server_args]))
+    kwargs = engine_kwargs(args)
+    kwargs["max_num_seqs"] = min(kwargs["max_num_seqs"], users)
+    llm = LLM(args.model, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def generate(batch: list[Prompt]) -> list:
+        if isinstance(batch[0], str):
+            return llm.chat([[{"role": "user", "content": p}] for p in batch], params)
+        return llm.generate([{"prompt_token_ids": p} for p in batch], params)
+
+    generate(warmup)
+    t0 = time.perf_counter()
+    outs = generate(prompts)
+    wall = time.perf_counter() - t0
+    counts = [len(o.outputs[0].token_ids) for o in outs]
+    return {"users": users, "max_num_seqs": kwargs["max_num_seqs"], "requests": len(prompts),
+            "completed": sum(c == max_tokens for c in counts), "output_tokens": sum(counts), "wall_s": wall,
+            "output_throughput": sum(counts) / wall, "request_throughput": len(prompts) / wall}
 
 
 def hardware() -> dict:
@@ -202,95 +212,159 @@ def hardware() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        gpus = []
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "python": platform.python_version(),
             "platform": platform.platform()}
 
 
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def _pair(s: dict) -> str:
+    return f"{_ms(s['p50'])} / {_ms(s['p99'])}"
+
+
+def summary_line(run: dict) -> str:
+    s = run["result"]
+    cpu = max(c["cpu_util"] for c in s["client_procs"])
+    return (f"{run['load']} ({run['protocol']}): {s['completed']}/{s['requests']} ok, "
+            f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} tok/s, "
+            f"TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, ITL p50/p99 {_pair(s['itl_ms'])} ms, "
+            f"steady ITL p50/p99 {_pair(s['steady_itl_ms'])} ms, client CPU max {cpu:.1%} "
+            f"({len(s['client_procs'])} procs)")
+
+
 def markdown(report: dict) -> str:
-    rows = [("| load | requests | failed | req/s | out tok/s | TTFT mean / p50 / p99 (ms) "
-             "| TPOT mean / p50 / p99 (ms) | ITL mean / p50 / p99 (ms) | p99/p50 ITL |"),
-            "|---|---|---|---|---|---|---|---|---|"]
-
-    def trio(s: dict) -> str:
-        return " / ".join("–" if s[k] is None else f"{s[k]:.0f}" for k in ("mean", "p50", "p99"))
-
+    rows = ["| users | protocol | requests | failed | out tok/s | × offline | TTFT p50 / p99 (ms) | TPOT p50 (ms) "
+            "| ITL p50 / p99 (ms) | steady ITL p50 / p99 (ms) | client CPU max |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    offline = {o["users"]: o for o in report["offline"]}
     for run in report["runs"]:
-        r, itl = run["result"], run["result"]["itl_ms"]
-        ratio = f"{itl['p99'] / itl['p50']:.2f}" if itl["p50"] else "–"
-        rows.append(f"| {run['load']} | {r['requests']} | {r['failed']} | {r['request_throughput']:.2f} | "
-                    f"{r['output_throughput']:.1f} | {trio(r['ttft_ms'])} | {trio(r['tpot_ms'])} | "
-                    f"{trio(itl)} | {ratio} |")
+        r = run["result"]
+        base = offline.get(run.get("concurrency"))
+        ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}" if base else "–"
+        cpu = max(c["cpu_util"] for c in r["client_procs"])
+        rows.append(f"| {run['load']} | {run['protocol']} | {r['requests']} | {r['failed']} | "
+                    f"{r['output_throughput']:.1f} | {ratio} | {_pair(r['ttft_ms'])} | {_ms(r['tpot_ms']['p50'])} | "
+                    f"{_pair(r['itl_ms'])} | {_pair(r['steady_itl_ms'])} | {cpu:.1%} |")
     hw = report["hardware"]
+    offline_rows = [f"- {o['users']} users (max_num_seqs {o['max_num_seqs']}): {o['output_throughput']:.1f} tok/s, "
+                    f"{o['completed']}/{o['requests']} complete, {o['wall_s']:.2f} s" for o in report["offline"]]
     return "\n".join([
-        f"## Serving benchmark ({report['model']}, WebSocket API)", "",
+        f"## Serving benchmark ({report['model']})", "",
         f"Command: `{report['command']}`", "",
         (f"Server: `{report['server_command']}`" if report.get("server_command")
          else f"Server: {report['url']}"), "",
-        f"Hardware: {hw['cpu']}, {hw['cores']} cores; load average before/after: "
-        f"{report['loadavg_before']} / {report['loadavg_after']}", "",
-        (f"Workload: ShareGPT first turns (chat template applied), {report['max_tokens']} output tokens "
-         "per request (ignore_eos), greedy."), "", *rows, ""])
+        f"Hardware: {hw['cpu']}, {hw['cores']} cores{''.join(', ' + g for g in hw['gpus'])}; load average "
+        f"before/after: {report['loadavg_before']} / {report['loadavg_after']}", "",
+        f"Workload: {report['workload']}, {report['max_tokens']} output tokens per request (ignore_eos), "
+        f"greedy; {report['client_procs']} client process(es).", "", *rows, "",
+        *(["Offline engine (same prompts, one `generate` call):", "", *offline_rows, ""] if offline_rows else [])])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default=None, help="target a running server (ws://host:port/v1/ws)")
+    p.add_argument("--url", default=None,
+                   help="target a running server: ws://host:port/v1/ws (ws) or http://host:port (sse)")
+    p.add_argument("--protocol", choices=["ws", "sse"], default="ws")
     p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"))
     p.add_argument("--model", default=None, help="model for the server this script starts (default model)")
     p.add_argument("--server-args", default="--config configs/cpu-default.yaml",
-                   help="flags for the server this script starts")
-    p.add_argument("--concurrency", type=int, nargs="*", default=[], help="fixed-concurrency runs")
+                   help="flags for the server this script starts (and for --offline)")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[], help="closed-loop runs of this many users")
+    p.add_argument("--requests-per-user", type=int, default=None,
+                   help="each user sends this many requests (default: the users share --num-prompts)")
     p.add_argument("--request-rate", type=float, nargs="*", default=[], help="Poisson-arrival runs (req/s)")
     p.add_argument("--num-prompts", type=int, nargs="+", default=[32],
                    help="requests per run (one value, or one per run in the order given)")
+    p.add_argument("--client-procs", type=int, default=1, help="client processes the users are spread over")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="prompts of this many random token ids")
+    p.add_argument("--vocab-size", type=int, default=128256, help="token ids stay below this (Llama-3.1-8B's)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-prompt-chars", type=int, default=2000)
+    p.add_argument("--offline", action="store_true", help="also run each concurrency's prompts offline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON results")
     p.add_argument("--md", type=Path, default=None, help="markdown table")
     args = p.parse_args(argv)
-    loads = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.request_rate]
-    if not loads:
+    args.loads = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.request_rate]
+    if not args.loads:
         p.error("give --concurrency and/or --request-rate")
-    nums = args.num_prompts if len(args.num_prompts) == len(loads) else [args.num_prompts[0]] * len(loads)
-    prompts_all = load_prompts(max(nums) + 1, args.max_prompt_chars, args.seed)
+    if args.vocab_size <= 20 or (args.prompt_tokens is not None and args.prompt_tokens < 1):
+        p.error("--prompt-tokens must be at least 1 and --vocab-size above 20")
+    if min(args.concurrency + [args.client_procs, args.requests_per_user or 1]) < 1:
+        p.error("--concurrency, --client-procs and --requests-per-user must be at least 1")
+    nums = args.num_prompts if len(args.num_prompts) == len(args.loads) else [args.num_prompts[0]] * len(args.loads)
+    args.nums = [v * args.requests_per_user if kind == "concurrency" and args.requests_per_user else n
+                 for (kind, v), n in zip(args.loads, nums)]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    total = NUM_WARMUP_PROMPTS + sum(args.nums)
+    prompts_all = (token_prompts(total, args.prompt_tokens, args.vocab_size, args.seed) if args.prompt_tokens
+                   else text_prompts(total, args.max_prompt_chars, args.seed))
+    warmup, at, run_prompts = prompts_all[:NUM_WARMUP_PROMPTS], NUM_WARMUP_PROMPTS, []
+    for n in args.nums:  # disjoint: no run hits the prefix cache of another
+        run_prompts.append(prompts_all[at:at + n])
+        at += n
+    server_args = shlex.split(args.server_args)
 
     server = None
     if args.url is None:
         log = Path(tempfile.mkstemp(prefix="specserve-serving-", suffix=".log")[1])
         print(f"server log: {log}", flush=True)
-        server = ServerProcess(args.model, shlex.split(args.server_args), log)
-    url = args.url or server.url
+        server = ServerProcess(args.model, server_args, log)
+        port = f"127.0.0.1:{server.port}"
+        url = f"ws://{port}/v1/ws" if args.protocol == "ws" else f"http://{port}"
+    else:
+        url = args.url
+    model = served_model(http_base(url), args.api_key)
+    if args.protocol == "sse" and model is None:
+        raise SystemExit(f"GET {http_base(url)}/v1/models gave no model")
     env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
     prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
     words = [sys.argv[0], *(argv or sys.argv[1:])]
-    report = {"command": prefix + "python " + " ".join(shlex.quote(a) for a in words),
-              "env": env,
+    workload = (f"{args.prompt_tokens} random token ids per prompt (vocab {args.vocab_size})" if args.prompt_tokens
+                else "ShareGPT first turns (chat template applied)")
+    report = {"command": prefix + "python " + " ".join(shlex.quote(a) for a in words), "env": env,
               "server_command": (" ".join(server.cmd[2:]).replace("specserve.cli", "specserve", 1)
                                  if server else None),
-              "url": url, "model": args.model or "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens,
-              "hardware": hardware(), "loadavg_before": [round(x, 2) for x in os.getloadavg()], "runs": []}
+              "url": url, "protocol": args.protocol, "model": model or args.model or "SmolLM2-135M-Instruct",
+              "workload": workload, "max_tokens": args.max_tokens, "client_procs": args.client_procs,
+              "hardware": hardware(), "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+              "runs": [], "offline": []}
+    base = LoadJob(protocol=args.protocol, url=url, model=model, api_key=args.api_key, prompts=warmup[:1],
+                   max_tokens=8, seed=args.seed)
     try:
-        asyncio.run(run_concurrency(url, prompts_all[-1:], 1, 8, args.api_key))  # warm-up
-        for (kind, value), num in zip(loads, nums):
-            prompts = prompts_all[:num]
-            if kind == "concurrency":
-                results, duration = asyncio.run(
-                    run_concurrency(url, prompts, value, args.max_tokens, args.api_key))
-            else:
-                results, duration = asyncio.run(
-                    run_rate(url, prompts, value, args.max_tokens, args.api_key, args.seed))
-            summary = summarize(results, duration)
-            label = f"concurrency {value}" if kind == "concurrency" else f"rate {value}/s"
-            report["runs"].append({"load": label, kind: value, "result": summary,
-                                   "requests": [asdict(r) | {"itl": None} for r in results]})
-            s = summary
-            print(f"{label}: {s['completed']}/{s['requests']} ok, {s['request_throughput']:.2f} req/s, "
-                  f"{s['output_throughput']:.1f} tok/s, TTFT p50 {_ms(s['ttft_ms']['p50'])} ms, "
-                  f"ITL p50/p99 {_ms(s['itl_ms']['p50'])}/{_ms(s['itl_ms']['p99'])} ms", flush=True)
+        asyncio.run(run_job(base))  # warm-up
+        for (kind, value), prompts in zip(args.loads, run_prompts):
+            closed = kind == "concurrency"
+            job = replace(base, prompts=prompts, max_tokens=args.max_tokens, users=value if closed else 1,
+                          rate=None if closed else value, requests_per_user=args.requests_per_user if closed else None)
+            workers = run_jobs(split_load(job, args.client_procs))
+            run = {"load": f"{value}" if closed else f"rate {value}/s", kind: value, "protocol": args.protocol,
+                   "requests_per_user": job.requests_per_user, "result": summarize(workers),
+                   "requests": [r.row() for w in workers for r in w.results]}
+            report["runs"].append(run)
+            print(summary_line(run), flush=True)
     finally:
         if server is not None:
             server.stop()
+    if args.offline:
+        for (kind, value), prompts in zip(args.loads, run_prompts):
+            if kind == "concurrency":
+                (o,) = call_in_processes([(offline_run, (args.model, server_args, value, prompts, warmup,
+                                                         args.max_tokens))])
+                report["offline"].append(o)
+                print(f"offline, {value} users: {o['output_throughput']:.1f} tok/s "
+                      f"({o['completed']}/{o['requests']} complete, {o['wall_s']:.2f} s)", flush=True)
     report["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

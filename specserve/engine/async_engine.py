@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from specserve.config import EngineConfig
 from specserve.engine.core import EngineCore
@@ -26,6 +27,9 @@ from specserve.engine.messages import Abort, AddRequest, CoreInput, ModelInfo, S
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.engine.core_process import CoreHandle
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,8 @@ class _Mailbox:
 class CoreThread:
     """Transport: the engine core in a daemon thread of this process."""
 
+    client = 0
+
     def __init__(self, engine: LLMEngine, on_output: Callable[[StepOutput], None],
                  on_dead: Callable[[str], None]) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -97,10 +103,11 @@ class CoreThread:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | EngineConfig, *, on_dead: Callable[[str], None] | None = None,
-                 log_level: str = "WARNING") -> None:
-        """`engine`: an LLMEngine to run in a thread, or an EngineConfig to build and run in an engine
-        core process (started here; this returns once it is ready, or raises why it failed).
+    def __init__(self, engine: LLMEngine | EngineConfig | CoreHandle, *,
+                 on_dead: Callable[[str], None] | None = None, log_level: str = "WARNING") -> None:
+        """`engine`: an LLMEngine to run in a thread; an EngineConfig to build and run in an engine
+        core process (started here; this returns once it is ready, or raises why it failed); or the
+        handle of a core process started elsewhere (core_process.CoreHandle), to attach to.
         `on_dead(reason)` is called (from another thread) if the core dies while in use."""
         self._streams: dict[str, _Mailbox] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -116,10 +123,14 @@ class AsyncEngine:
             self.outputs = OutputProcessor(self.tokenizer)
             self._core = CoreThread(engine, self._on_output, self._on_dead)
         else:
-            from specserve.engine.core_process import CoreProcess
+            from specserve.engine.core_process import CoreClient, CoreHandle, CoreProcess
 
             self.engine = None
-            self._core = CoreProcess(engine, self._on_output, self._on_dead, log_level=log_level)
+            if isinstance(engine, CoreHandle):  # a core another process started (--api-server-count)
+                self._core = CoreClient(engine, self._on_output, self._on_dead)
+            else:
+                owner = CoreProcess(engine, log_level=log_level)
+                self._core = CoreClient(owner.handle(), self._on_output, self._on_dead, owner=owner)
             self.tokenizer, self.model_info = self._core.tokenizer, self._core.model_info
             self._stats = self._core.stats
             self.warmup_seconds = self._core.warmup_seconds
@@ -157,7 +168,8 @@ class AsyncEngine:
         self._streams[req_id] = mailbox
         finished = False
         try:
-            self._core.send(AddRequest(req_id, validated.token_ids, params, owner, time.monotonic()))
+            self._core.send(AddRequest(req_id, validated.token_ids, params, owner, time.monotonic(),
+                                       self._core.client))
             while True:
                 await mailbox.wait()
                 if req_id not in self.outputs:

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import connection, get_context
 
 import msgspec
@@ -39,12 +40,15 @@ from specserve.engine.messages import CoreInput, ModelInfo, Shutdown, StepOutput
 logger = logging.getLogger(__name__)
 
 POLL_MS = 500  # how often an idle core checks that its parent is alive
+WATCH_S = 0.2  # how often a front end that did not start the core checks that it is alive
 SHUTDOWN_TIMEOUT_S = 15.0
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)
 _output_decoder = msgspec.msgpack.Decoder(StepOutput)
 
 
-def exit_reason(code: int | None) -> str:
+def exit_reason(code: int | str | None) -> str:
+    if code == "gone":
+        return "is gone"
     if code is None:
         return "is not responding"
     if code < 0:
@@ -55,48 +59,37 @@ def exit_reason(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class CoreProcess:
-    """Transport: start the engine core process for `config` and talk to it (see the module doc).
-    The constructor returns once the core is ready (or raises why it is not)."""
+@dataclass(frozen=True)
+class CoreHandle:
+    """What a front end needs to attach to a running core (picklable: handed to server processes)."""
 
-    def __init__(self, config: EngineConfig, on_output: Callable[[StepOutput], None],
-                 on_dead: Callable[[str], None], log_level: str = "WARNING") -> None:
-        self._on_output, self._on_dead = on_output, on_dead
+    input_addr: str
+    output_addrs: tuple[str, ...]
+    pid: int
+    ready: dict  # the core's handshake: model_info (msgpack), tokenizer (pickle), stats, warmup_seconds
+    client: int = 0  # which of output_addrs is this front end's
+
+
+class CoreProcess:
+    """Start the engine core process for `config`, with one output socket per front end
+    (`num_clients`); the constructor returns once it is ready (or raises why it is not)."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "WARNING", num_clients: int = 1) -> None:
         self._dir = tempfile.mkdtemp(prefix="specserve-core-")
-        input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output-0"
-        self._ctx = zmq.Context()
-        self._out = self._ctx.socket(zmq.PULL)
-        self._out.bind(output_addr)
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._in.connect(input_addr)
-        self._send_lock = threading.Lock()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._stopping = self._closing = False
-        parent_conn, child_conn = get_context("spawn").Pipe()
-        self.process = get_context("spawn").Process(
-            target=run_core, name="specserve-engine-core",
-            args=(config, input_addr, [output_addr], child_conn, log_level, os.getpid()))
+        self.input_addr = f"ipc://{self._dir}/input"
+        self.output_addrs = tuple(f"ipc://{self._dir}/output-{i}" for i in range(num_clients))
+        ctx = get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=run_core, name="specserve-engine-core",
+                                   args=(config, self.input_addr, list(self.output_addrs), child_conn, log_level,
+                                         os.getpid()))
         self.process.start()
         child_conn.close()
         try:
-            info = self._handshake(parent_conn)
+            self.ready = self._handshake(parent_conn)
         except BaseException:
-            self._stop_process(1.0)
-            self._close()
+            self.stop(1.0)
             raise
-        self.model_info: ModelInfo = msgspec.msgpack.decode(info["model_info"], type=ModelInfo)
-        self.tokenizer = pickle.loads(info["tokenizer"])
-        self.stats: dict = info["stats"]
-        self.warmup_seconds: float = info["warmup_seconds"]
-        self._receiver = threading.Thread(target=self._receive, name="specserve-core-output", daemon=True)
-        self._receiver.start()
-        self._monitor = threading.Thread(target=self._watch, name="specserve-core-monitor", daemon=True)
-        self._monitor.start()
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
 
     def _handshake(self, conn) -> dict:
         ready = connection.wait([conn, self.process.sentinel])
@@ -111,6 +104,61 @@ class CoreProcess:
                 raise RuntimeError(payload)
         self.process.join(5)
         raise RuntimeError(f"the engine process {exit_reason(self.process.exitcode)} while loading")
+
+    def handle(self, client: int = 0) -> CoreHandle:
+        return CoreHandle(self.input_addr, self.output_addrs, self.process.pid, self.ready, client)
+
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Tell the core to stop (it aborts what still runs), wait for it; terminate it if it hangs."""
+        if self.process.is_alive():
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(self.input_addr)
+            sock.send(msgspec.msgpack.encode(Shutdown()))
+            sock.close(linger=1000)
+            ctx.term()
+        self.stop(timeout)
+
+    def stop(self, timeout: float) -> None:
+        proc = self.process
+        proc.join(timeout)
+        if proc.is_alive():
+            logger.warning("the engine process did not stop within %.0fs; terminating it", timeout)
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class CoreClient:
+    """Transport: one front end's sockets to a running engine core (see the module doc). With
+    `owner` (the CoreProcess this front end started) it also stops the core on shutdown and watches
+    the process; without, it watches the core's pid (the process that started it reaps it)."""
+
+    def __init__(self, handle: CoreHandle, on_output: Callable[[StepOutput], None],
+                 on_dead: Callable[[str], None], owner: CoreProcess | None = None) -> None:
+        self._on_output, self._on_dead = on_output, on_dead
+        self.handle, self.owner, self.client, self.pid = handle, owner, handle.client, handle.pid
+        info = handle.ready
+        self.model_info: ModelInfo = msgspec.msgpack.decode(info["model_info"], type=ModelInfo)
+        self.tokenizer = pickle.loads(info["tokenizer"])
+        self.stats: dict = info["stats"]
+        self.warmup_seconds: float = info["warmup_seconds"]
+        self._ctx = zmq.Context()
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.bind(handle.output_addrs[handle.client])
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.connect(handle.input_addr)
+        self._send_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._stopping = self._closing = False
+        self._receiver = threading.Thread(target=self._receive, name="specserve-core-output", daemon=True)
+        self._receiver.start()
+        self._monitor = threading.Thread(target=self._watch, name="specserve-core-monitor", daemon=True)
+        self._monitor.start()
 
     def send(self, msg: CoreInput) -> None:
         data = self._encoder.encode(msg)
@@ -129,43 +177,44 @@ class CoreProcess:
             sock.close(linger=0)
 
     def _watch(self) -> None:
-        self.process.join()
+        if self.owner is not None:
+            self.owner.process.join()
+            code = self.owner.process.exitcode
+        else:
+            while _pid_alive(self.pid) and not self._stopping:
+                time.sleep(WATCH_S)
+            code = None if self._stopping else _exit_code_unknown
         if not self._stopping:
-            reason = f"the engine process {exit_reason(self.process.exitcode)}"
+            reason = f"the engine process {exit_reason(code)}"
             logger.error("%s", reason)
             self._on_dead(reason)
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Tell the core to stop (it aborts what runs), wait for it, then close the sockets."""
+        """Stop the core if this front end started it; close the sockets."""
         if self._stopping:
             return
         self._stopping = True
-        self.send(Shutdown())
-        self._stop_process(timeout)
-        self._close()
-
-    def _stop_process(self, timeout: float) -> None:
-        proc = self.process
-        proc.join(timeout)
-        if proc.is_alive():
-            logger.warning("the engine process did not stop within %.0fs; terminating it", timeout)
-            proc.terminate()
-            proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-
-    def _close(self) -> None:
+        if self.owner is not None:
+            self.send(Shutdown())
+            self.owner.stop(timeout)
         self._closing = True
-        receiver = getattr(self, "_receiver", None)
-        if receiver is not None:
-            receiver.join()
-        else:
-            self._out.close(linger=0)
+        self._receiver.join()
         with self._send_lock:
             self._in.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_exit_code_unknown = "gone"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # -- the child ---------------------------------------------------------------------------------------

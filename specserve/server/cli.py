@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-frame-size", type=parse_size, default=1 << 20,
                    help="largest WebSocket frame / HTTP body accepted, e.g. 1M (default 1 MiB)")
     g.add_argument("--served-model-name", default=None, help="the name clients use in `model`")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="server processes in front of the one engine core process (default 1; more when "
+                        "one event loop cannot keep up with many streams)")
     add_engine_args(p)
     # Defaults move out of argparse so that "given on the command line" is visible (present in the
     # namespace) and YAML / environment values can slot in between.
@@ -186,6 +189,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.host in ("0.0.0.0", "::") and not settings.allowed_hosts:
         logger.warning("listening on all interfaces: only loopback Host names are answered; give the "
                        "names clients use with --allowed-hosts")
+
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        from specserve.server.supervisor import serve_many
+        return serve_many(config, settings, name, args.api_server_count, args.log_level)
 
     failures: list[BaseException] = []
     died: list[str] = []

@@ -99,10 +99,10 @@ def serve(tiny_chat_dir):
     (process, port); whatever is left is killed afterwards."""
     procs = []
 
-    def start():
+    def start(*extra: str):
         port = free_port()
         cmd = [sys.executable, "-m", "specserve.cli", "serve", str(tiny_chat_dir), "--port", str(port),
-               "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--max-model-len", "256"]
+               "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--max-model-len", "256", *extra]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         procs.append(proc)
@@ -116,10 +116,16 @@ def serve(tiny_chat_dir):
             proc.wait()
 
 
-def _children(proc: subprocess.Popen) -> list[psutil.Process]:
-    kids = psutil.Process(proc.pid).children(recursive=True)
-    assert any("spawn" in " ".join(k.cmdline()) for k in kids), "no engine core process"
-    return kids
+def _children(proc: subprocess.Popen, count: int = 1) -> list[psutil.Process]:
+    """The server's children (the engine core, and server processes with --api-server-count)."""
+    deadline = time.monotonic() + 10
+    while True:
+        kids = [k for k in psutil.Process(proc.pid).children(recursive=True)
+                if "spawn" in " ".join(k.cmdline())]
+        if len(kids) >= count or time.monotonic() > deadline:
+            assert len(kids) == count, [k.cmdline() for k in kids]
+            return kids
+        time.sleep(0.1)
 
 
 def _assert_gone(procs: list[psutil.Process], timeout: float = 5.0) -> None:
@@ -154,14 +160,39 @@ def test_serve_stops_cleanly_and_reaps_its_engine(serve, how):
     _assert_gone(kids)
 
 
-def test_serve_exits_non_zero_when_its_engine_dies(serve):
-    proc, port = serve()
-    kids = _children(proc)
-    core = next(k for k in kids if "spawn" in " ".join(k.cmdline()))
+@pytest.mark.parametrize("servers", [1, 2])
+def test_serve_exits_non_zero_when_its_engine_dies(serve, servers):
+    proc, port = serve("--api-server-count", str(servers))
+    kids = _children(proc, 1 if servers == 1 else 1 + servers)
+    core = min(kids, key=lambda k: k.create_time())  # started first
     t0 = time.monotonic()
     core.kill()
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1, out
     assert time.monotonic() - t0 < 10
     assert "the engine process was killed by SIGKILL" in out, out
+    _assert_gone(kids)
+
+
+def test_several_server_processes_share_one_engine(serve):
+    """--api-server-count 2: requests on many connections are all answered (by both processes,
+    over one engine core), and SIGTERM stops all three children."""
+    proc, port = serve("--api-server-count", "2")
+    kids = _children(proc, 3)
+
+    async def one(i):  # a connection each: the kernel spreads them over the two processes
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            r = await c.post("/v1/completions", json={"prompt": f"ab{i}", "max_tokens": 8, "ignore_eos": True})
+            return r.status_code, r.json()["usage"]["completion_tokens"]
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert results == [(200, 8)] * 16
+    servers = [k for k in kids if k.create_time() > min(x.create_time() for x in kids)]
+    assert all(s.cpu_times().user > 0 for s in servers)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "stopped" in out, out
     _assert_gone(kids)
