@@ -11,7 +11,7 @@ one's CPU utilisation, so one can see the load generator was not the bottleneck.
 for exactly --max-tokens tokens (ignore_eos, greedy); runs never share a prompt (no prefix-cache hits
 between runs).
 
-    python bench/serving.py --server-args "llama-3.1-8b --load-format dummy" --prompt-tokens 1024 \\
+    python bench/serving.py --model llama-3.1-8b --server-args "--load-format dummy" --prompt-tokens 1024 \\
         --concurrency 1 16 64 256 --requests-per-user 4 --max-tokens 256 --protocol sse \\
         --client-procs 4 --offline --out bench/results/serving_gpu.json --md bench/results/serving_gpu.md
 
@@ -49,6 +49,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+
+from specserve.client import SpecserveError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_load import (  # noqa: E402
@@ -289,6 +291,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-chars", type=int, default=2000)
     p.add_argument("--offline", action="store_true", help="also run each concurrency's prompts offline")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup-request", action="store_true",
+                   help="skip the one short request sent before the runs (to measure the first wave after start-up)")
     p.add_argument("--out", type=Path, default=None, help="JSON results")
     p.add_argument("--md", type=Path, default=None, help="markdown table")
     args = p.parse_args(argv)
@@ -343,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     base = LoadJob(protocol=args.protocol, url=url, model=model, api_key=args.api_key, prompts=warmup[:1],
                    max_tokens=8, seed=args.seed)
     try:
-        asyncio.run(run_job(base))  # warm-up
+        if not args.no_warmup_request:  # off: the first run measures the first users after start-up
+            asyncio.run(run_job(base))
         for (kind, value), prompts in zip(args.loads, run_prompts):
             closed = kind == "concurrency"
             job = replace(base, prompts=prompts, max_tokens=args.max_tokens, users=value if closed else 1,
@@ -354,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                    "requests": [r.row() for w in workers for r in w.results]}
             report["runs"].append(run)
             print(summary_line(run), flush=True)
+    except (SpecserveError, RuntimeError) as e:  # the warm-up's, or a client process's
+        raise SystemExit(f"the served runs failed: {e}") from None
     finally:
         if server is not None:
             server.stop()

@@ -177,22 +177,25 @@ async def session(job: LoadJob) -> AsyncIterator[Send]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # open loop: one client
     async with httpx.AsyncClient(base_url=job.url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(READ_TIMEOUT_S, connect=10.0)) as client:
+        (await client.get("/v1/models")).raise_for_status()  # connect now, as a socket does, not in a TTFT
         yield lambda prompt: sse_request(client, job.model, prompt, job.max_tokens)
 
 
 async def closed_loop(sends: list[Send], job: LoadJob) -> list[Result]:
     """Each user sends its next request when its last one is done."""
     per_user = job.requests_per_user
-    shared = deque(job.prompts)
-    lanes = ([deque(job.prompts[u * per_user:(u + 1) * per_user]) for u in range(job.users)] if per_user
-             else [shared] * job.users)
+    if per_user:
+        lanes = [deque(job.prompts[u * per_user:(u + 1) * per_user]) for u in range(job.users)]
+    else:
+        lanes = [deque(job.prompts)] * job.users  # one queue for all
     results: list[Result] = []
 
     async def user(send: Send, lane: deque) -> None:
         wave = 0
         while lane:
             r = await send(lane.popleft())
-            r.wave, wave = wave, wave + 1
+            r.wave = wave
+            wave += 1
             results.append(r)
 
     await asyncio.gather(*(user(s, lane) for s, lane in zip(sends, lanes)))
