@@ -13,39 +13,40 @@
 # each user sends 2 requests one after the other; 4 client processes.
 set -uo pipefail
 OUT=${OUT:-out}
+PY=${PY:-python3}
 mkdir -p "$OUT"
 M=llama-3.1-8b
 SERVE="$M --load-format dummy"  # no tuning flags: what a user gets
 LOAD="--prompt-tokens 128 --vocab-size 128256 --max-tokens 256 --requests-per-user 2 --client-procs 4"
 serving() {  # protocol, tag, extra server flags
   # 64 users first, with no warm-up request: the first wave after /health said ready vs the second
-  python bench/serving.py --model "" --server-args "$SERVE $3" --protocol "$1" $LOAD --no-warmup-request \
+  $PY bench/serving.py --model "" --server-args "$SERVE $3" --protocol "$1" $LOAD --no-warmup-request \
     --concurrency 64 1 16 --out "$OUT/serving_$2_small.json" > "$OUT/serving_$2_small.log" 2>&1
-  python bench/serving.py --model "" --server-args "$SERVE $3" --protocol "$1" $LOAD \
+  $PY bench/serving.py --model "" --server-args "$SERVE $3" --protocol "$1" $LOAD \
     --concurrency 256 --offline --out "$OUT/serving_$2_256.json" > "$OUT/serving_$2_256.log" 2>&1
 }
 case "${1:-}" in
   offline)
-    python bench/gpu_e2e.py specserve --no-flags --repeats 2 --out "$OUT/e2e_noflags.json" > "$OUT/e2e_noflags.log" 2>&1
-    python bench/gpu_e2e.py specserve --repeats 2 --out "$OUT/e2e_8192.json" > "$OUT/e2e_8192.log" 2>&1
-    python bench/gpu_e2e.py specserve --repeats 2 --max-num-batched-tokens 16384 \
+    $PY bench/gpu_e2e.py specserve --no-flags --repeats 2 --out "$OUT/e2e_noflags.json" > "$OUT/e2e_noflags.log" 2>&1
+    $PY bench/gpu_e2e.py specserve --repeats 2 --out "$OUT/e2e_8192.json" > "$OUT/e2e_8192.log" 2>&1
+    $PY bench/gpu_e2e.py specserve --repeats 2 --max-num-batched-tokens 16384 \
       --out "$OUT/e2e_16384.json" > "$OUT/e2e_16384.log" 2>&1 ;;
   ws) serving ws ws "" ;;
   sse) serving sse sse "" ;;
   multi)
     for proto in ws sse; do
-      python bench/serving.py --model "" --server-args "$SERVE --api-server-count 2" --protocol $proto $LOAD \
+      $PY bench/serving.py --model "" --server-args "$SERVE --api-server-count 2" --protocol $proto $LOAD \
         --concurrency 256 --out "$OUT/serving_${proto}_api2.json" > "$OUT/serving_${proto}_api2.log" 2>&1
     done ;;
   vllm)
-    PYTHONPATH=$VLLM_SITE:${PYTHONPATH:-} python bench/gpu_e2e.py vllm --repeats 2 --out "$OUT/vllm_offline.json" \
+    PYTHONPATH=$VLLM_SITE:${PYTHONPATH:-} $PY bench/gpu_e2e.py vllm --repeats 2 --out "$OUT/vllm_offline.json" \
       > "$OUT/vllm_offline.log" 2>&1
     dir=$(mktemp -d) && cp "configs/models/$M.json" "$dir/config.json"
-    PYTHONPATH=$VLLM_SITE:${PYTHONPATH:-} python -m vllm.entrypoints.openai.api_server --model "$dir" \
+    PYTHONPATH=$VLLM_SITE:${PYTHONPATH:-} $PY -m vllm.entrypoints.openai.api_server --model "$dir" \
       --served-model-name "$M" --load-format dummy --skip-tokenizer-init --dtype bfloat16 --port 8100 \
       --gpu-memory-utilization 0.85 > "$OUT/vllm_serve.log" 2>&1 &
     pid=$!
-    python - <<'PY' && python bench/serving.py --url http://127.0.0.1:8100 --protocol sse $LOAD \
+    $PY - <<'PY' && $PY bench/serving.py --url http://127.0.0.1:8100 --protocol sse $LOAD \
         --concurrency 256 --out "$OUT/vllm_serve_sse.json" > "$OUT/vllm_serve_sse.log" 2>&1
 import time, httpx
 for _ in range(400):
