@@ -49,7 +49,7 @@ def bench_specserve(args) -> dict:
                   max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
                   async_scheduling=args.async_scheduling,
                   gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=args.enable_prefix_caching)
     startup = time.perf_counter() - t0
     vocab = llm.engine.loaded.arch.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="default: the engine's (on for CUDA)")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-batches", type=int, nargs="+", default=[256])
     ap.add_argument("--out", required=True)

@@ -32,6 +32,14 @@ case "${1:-}" in
     $PY bench/gpu_e2e.py specserve --repeats 2 --max-num-batched-tokens 16384 \
       --out "$OUT/e2e_16384.json" > "$OUT/e2e_16384.log" 2>&1 ;;
   ws) serving ws ws "" ;;
+  ws256)  # 256 users over WebSockets only (no offline reference)
+    $PY bench/serving.py --model "" --server-args "$SERVE" --protocol ws $LOAD --concurrency 256 \
+      --out "$OUT/serving_ws_256b.json" > "$OUT/serving_ws_256b.log" 2>&1 ;;
+  diag)  # which of the no-flag settings makes the first batches after start-up slow
+    $PY bench/gpu_e2e.py specserve --repeats 1 --max-model-len 131072 --gpu-memory-utilization 0.9 \
+      --out "$OUT/diag_len.json" > "$OUT/diag_len.log" 2>&1
+    $PY bench/gpu_e2e.py specserve --repeats 1 --enable-prefix-caching --out "$OUT/diag_prefix.json" \
+      > "$OUT/diag_prefix.log" 2>&1 ;;
   sse) serving sse sse "" ;;
   multi)
     for proto in ws sse; do
