@@ -4,6 +4,7 @@
 # offline engine on the same workload as the reference. Results and logs go to $OUT (default ./out).
 #
 #   bash bench/gpu_serving.sh offline   # gpu_e2e: LLM() defaults, tuned 8192 and 16384 token budgets
+#   bash bench/gpu_serving.sh noflags   # gpu_e2e with LLM()'s defaults only
 #   bash bench/gpu_serving.sh ws        # serving over WebSockets (+ the offline reference at 256 users)
 #   bash bench/gpu_serving.sh sse       # serving over OpenAI SSE (+ the offline reference at 256 users)
 #   bash bench/gpu_serving.sh multi     # 256 users with --api-server-count 2, ws and sse
@@ -31,6 +32,8 @@ case "${1:-}" in
     $PY bench/gpu_e2e.py specserve --repeats 2 --out "$OUT/e2e_8192.json" > "$OUT/e2e_8192.log" 2>&1
     $PY bench/gpu_e2e.py specserve --repeats 2 --max-num-batched-tokens 16384 \
       --out "$OUT/e2e_16384.json" > "$OUT/e2e_16384.log" 2>&1 ;;
+  noflags)
+    $PY bench/gpu_e2e.py specserve --no-flags --repeats 2 --out "$OUT/e2e_noflags.json" > "$OUT/e2e_noflags.log" 2>&1 ;;
   ws) serving ws ws "" ;;
   ws256)  # 256 users over WebSockets only (no offline reference)
     $PY bench/serving.py --model "" --server-args "$SERVE" --protocol ws $LOAD --concurrency 256 \

@@ -74,38 +74,35 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Run the shapes the first real batches use, then forget them; returns the seconds it took.
 
-        On a GPU, Triton compiles each kernel on its first call and the first large forwards set up
-        cuBLAS and the allocator: seconds that would otherwise land in the first users' requests.
-        The run: as many prompts as make one full prefill chunk (max_num_batched_tokens), decoded
-        at that batch size; a prompt longer than a chunk (chunked prefill beside decodes); a random
-        sampling request. Afterwards the prefix cache and the counters are reset, so neither the
-        cache nor the metrics show it."""
+        On a GPU, Triton compiles each kernel variant on its first call (the attention kernels pick
+        tile shapes and KV splits from the batch: requests, query and context lengths) and the first
+        large forwards set up cuBLAS and the allocator: seconds that would otherwise land in the
+        first users' requests. Three waves: one lone prompt (batch-1 prefill and decode); a full
+        batch of max_num_seqs prompts of mixed lengths with mixed output lengths (full prefill
+        chunks, chunks beside every number of decodes, decode batches shrinking to one) beside one
+        prompt longer than a chunk; and a random-sampling request. Afterwards the prefix cache and the
+        counters are reset, so neither the cache nor the metrics show it."""
         t0 = time.perf_counter()
         sc = self.config.scheduler
-        budget = sc.max_num_batched_tokens
-        longest = max(1, self.max_model_len - 8)
-        batch = max(1, min(sc.max_num_seqs - 2, 64, budget // 16))
-        lengths = [max(1, min(budget // batch, longest))] * batch + [min(budget + budget // 2, longest)]
-        room = self.kv_manager.pool.num_blocks * self.config.cache.block_size
-        while len(lengths) > 1 and sum(n + 8 for n in lengths) > room // 2:  # a small KV pool: fewer
-            lengths.pop(0)
+        budget, longest = sc.max_num_batched_tokens, max(1, self.max_model_len - 16)
+        room = self.kv_manager.pool.num_blocks * self.config.cache.block_size // 2
         vocab = self.loaded.arch.vocab_size
-        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        ids = []
-        for k, n in enumerate(lengths):  # distinct prompts: no prefix hits between them
-            ids.append(self.add_request(f"warmup-{k}", [(k * 7919 + i * 104729) % vocab for i in range(n)],
-                                        greedy))
-        ids.append(self.add_request("warmup-random", [(i * 31 + 5) % vocab for i in range(16)],
-                                    SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=4,
-                                                   seed=0, ignore_eos=True)))
+        prompt = lambda k, n: [(k * 7919 + i * 104729 + 1) % vocab for i in range(n)]  # noqa: E731 - distinct
+        greedy = lambda m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)  # noqa: E731
+        batch = [(max(1, min(16 << (k % 4), longest)), greedy(2 + k % 7)) for k in range(max(1, sc.max_num_seqs - 1))]
+        batch.append((min(budget + budget // 2, longest), greedy(4)))
+        while len(batch) > 1 and sum(n + p.max_tokens for n, p in batch) > room:  # a small KV pool: fewer
+            batch.pop(0)
+        waves = [[(min(128, longest), greedy(8))], batch,
+                 [(16, SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=4, seed=0, ignore_eos=True))]]
         logger.info("warming up: %d prompts (%d tokens) through prefill, chunked prefill and decode ...",
-                       len(ids), sum(lengths) + 16)
-        try:
-            while self.has_unfinished():
-                self.step(finished_only=True)
-        finally:
-            for req_id in ids:
-                self.abort(req_id)
+                    sum(map(len, waves)), sum(n for w in waves for n, _ in w))
+        k = 0
+        for wave in waves:
+            for n, params in wave:
+                self.add_request(f"warmup-{k}", prompt(k, n), params)
+                k += 1
+            self._finish_warmup_wave()
         self.take_failures()
         self.kv_manager.reset_prefix_cache()
         self.kv_manager.prefix_stats = type(self.kv_manager.prefix_stats)()
@@ -114,6 +111,14 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         logger.info("warm-up done in %.1fs", seconds)
         return seconds
+
+    def _finish_warmup_wave(self) -> None:
+        try:
+            while self.has_unfinished():
+                self.step(finished_only=True)
+        finally:
+            for req_id in list(self.groups):
+                self.abort(req_id)
 
     def model_info(self) -> ModelInfo:
         spec = self.config.spec

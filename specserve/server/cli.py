@@ -55,9 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-frame-size", type=parse_size, default=1 << 20,
                    help="largest WebSocket frame / HTTP body accepted, e.g. 1M (default 1 MiB)")
     g.add_argument("--served-model-name", default=None, help="the name clients use in `model`")
-    g.add_argument("--api-server-count", type=int, default=1,
-                   help="server processes in front of the one engine core process (default 1; more when "
-                        "one event loop cannot keep up with many streams)")
+    g.add_argument("--api-server-count", type=int, default=None,
+                   help="server processes in front of the one engine core process (default: 2 when the "
+                        "engine runs on a GPU and the host has 8+ cores, where one event loop cannot keep "
+                        "up with a few hundred streams; else 1)")
     add_engine_args(p)
     # Defaults move out of argparse so that "given on the command line" is visible (present in the
     # namespace) and YAML / environment values can slot in between.
@@ -167,6 +168,17 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def default_api_server_count(config) -> int:
+    """2 server processes for an engine on a GPU of a host with 8+ cores, else 1: measured on an H200
+    (BENCHMARKS.md), one event loop falls behind 256 streams (frames then carry several tokens and
+    inter-token gaps swing 7x), two keep up."""
+    if config.device == "cpu" or (os.cpu_count() or 1) < 8:
+        return 1
+    import torch
+
+    return 2 if config.device.startswith("cuda") or torch.cuda.is_available() else 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -190,11 +202,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("listening on all interfaces: only loopback Host names are answered; give the "
                        "names clients use with --allowed-hosts")
 
-    if args.api_server_count < 1:
-        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
-    if args.api_server_count > 1:
+    servers = args.api_server_count if args.api_server_count is not None else default_api_server_count(config)
+    if servers < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {servers}")
+    if servers > 1:
         from specserve.server.supervisor import serve_many
-        return serve_many(config, settings, name, args.api_server_count, args.log_level)
+        return serve_many(config, settings, name, servers, args.log_level)
 
     failures: list[BaseException] = []
     died: list[str] = []
