@@ -77,8 +77,8 @@ class LLMEngine:
         On a GPU, Triton compiles each kernel variant on its first call (the attention kernels pick
         tile shapes and KV splits from the batch: requests, query and context lengths) and the first
         large forwards set up cuBLAS and the allocator: seconds that would otherwise land in the
-        first users' requests. Three waves: one lone prompt (batch-1 prefill and decode); a full
-        batch of max_num_seqs prompts of mixed lengths with mixed output lengths (full prefill
+        first users' requests. The waves: one lone prompt (batch-1 prefill and decode); max_num_seqs
+        prompts of 128 tokens at once (a burst of users); max_num_seqs prompts of mixed lengths with mixed output lengths (full prefill
         chunks, chunks beside every number of decodes, decode batches shrinking to one) beside one
         prompt longer than a chunk; and a random-sampling request. Afterwards the prefix cache and the
         counters are reset, so neither the cache nor the metrics show it."""
@@ -93,7 +93,10 @@ class LLMEngine:
         batch.append((min(budget + budget // 2, longest), greedy(4)))
         while len(batch) > 1 and sum(n + p.max_tokens for n, p in batch) > room:  # a small KV pool: fewer
             batch.pop(0)
-        waves = [[(min(128, longest), greedy(8))], batch,
+        burst = [(min(128, longest), greedy(4))] * sc.max_num_seqs  # a full batch of users arriving together
+        while len(burst) > 1 and sum(n + p.max_tokens for n, p in burst) > room:
+            burst.pop()
+        waves = [[(min(128, longest), greedy(8))], burst, batch,
                  [(16, SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=4, seed=0, ignore_eos=True))]]
         logger.info("warming up: %d prompts (%d tokens) through prefill, chunked prefill and decode ...",
                     sum(map(len, waves)), sum(n for w in waves for n, _ in w))
