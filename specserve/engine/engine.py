@@ -78,9 +78,9 @@ class LLMEngine:
         tile shapes and KV splits from the batch: requests, query and context lengths) and the first
         large forwards set up cuBLAS and the allocator: seconds that would otherwise land in the
         first users' requests. The waves: one lone prompt (batch-1 prefill and decode); max_num_seqs
-        prompts of 128 tokens at once (a burst of users); max_num_seqs prompts of mixed lengths with mixed output lengths (full prefill
-        chunks, chunks beside every number of decodes, decode batches shrinking to one) beside one
-        prompt longer than a chunk; and a random-sampling request. Afterwards the prefix cache and the
+        prompts of 128 tokens at once (a burst of users); max_num_seqs prompts of mixed lengths with
+        mixed output lengths (full prefill chunks, chunks beside every number of decodes, decode
+        batches shrinking to one) beside one prompt longer than a chunk; and a random-sampling request. Afterwards the prefix cache and the
         counters are reset, so neither the cache nor the metrics show it."""
         t0 = time.perf_counter()
         sc = self.config.scheduler
