@@ -80,8 +80,8 @@ class LLMEngine:
         first users' requests. The waves: one lone prompt (batch-1 prefill and decode); max_num_seqs
         prompts of 128 tokens at once (a burst of users); max_num_seqs prompts of mixed lengths with
         mixed output lengths (full prefill chunks, chunks beside every number of decodes, decode
-        batches shrinking to one) beside one prompt longer than a chunk; and a random-sampling request. Afterwards the prefix cache and the
-        counters are reset, so neither the cache nor the metrics show it."""
+        batches shrinking to one) beside one prompt longer than a chunk; a random-sampling request.
+        Afterwards the prefix cache and the counters are reset, so neither shows the warm-up."""
         t0 = time.perf_counter()
         sc = self.config.scheduler
         budget, longest = sc.max_num_batched_tokens, max(1, self.max_model_len - 16)
