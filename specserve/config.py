@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.quant.names import is_self_draft, parse_self_draft  # torch-free
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "bitsandbytes-int8", "bitsandbytes-nf4")
+QUANTIZATIONS = (None, "bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4")  # bitsandbytes: see quant/checkpoint.py
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -36,7 +37,8 @@ class ModelConfig:
             raise ValueError(f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization {self.quantization!r} is not one of bitsandbytes-int8, bitsandbytes-nf4")
+                f"quantization {self.quantization!r} is not one of bitsandbytes (the checkpoint's method, "
+                "else nf4), bitsandbytes-int8, bitsandbytes-nf4")
         if self.quantize_embeddings and not self.quantization:
             raise ValueError("quantize_embeddings needs --quantization bitsandbytes-int8 or bitsandbytes-nf4")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -81,9 +83,10 @@ class SchedulerConfig:
 
 @dataclass
 class SpecConfig:
-    """Speculative decoding: `method` is "ngram" or "draft_model" (`model` names the draft)."""
+    """Speculative decoding: `method` is "ngram" or "draft_model" (`model` names the draft). Left out,
+    it is inferred as vLLM does: "draft_model" when a `model` is given, else "ngram"."""
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 3
     model: str | None = None
     quantization: str | None = None
@@ -100,10 +103,18 @@ class SpecConfig:
     draft_cost: float | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model else "ngram"
         if self.method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative method {self.method!r} is not one of ngram, draft_model")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method draft_model needs a draft model (--draft-model PATH)")
+        if self.method == "ngram" and self.model:
+            raise ValueError(f"speculative method ngram drafts from the prompt and takes no model; for the "
+                             f"draft model {self.model!r} use method draft_model (or leave method out)")
+        if (self.method == "draft_model" and not is_self_draft(self.model) and self.load_format != "dummy"
+                and not Path(self.model).exists()):
+            raise ValueError(f"draft model not found: {self.model} (a HF model directory or a .gguf file)")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -178,8 +189,13 @@ def build_spec_config(speculative_config: Any = None, draft_model: str | None = 
     """Merge `--speculative-config` with its shorthands (the shorthands win)."""
     if isinstance(speculative_config, SpecConfig):
         speculative_config = dataclasses.asdict(speculative_config)
-    elif isinstance(speculative_config, str):
-        speculative_config = dataclasses.asdict(SpecConfig.parse(speculative_config))
+    elif isinstance(speculative_config, str):  # keys as given: a method left out is inferred below
+        try:
+            speculative_config = json.loads(speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(speculative_config, dict):
+            raise ValueError("speculative_config must be a JSON object")
     spec = dict(speculative_config or {})
     if draft_model:
         spec.setdefault("method", "draft_model")

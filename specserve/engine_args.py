@@ -24,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30, help="KV cache bytes on the CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--quantization", choices=["bitsandbytes-int8", "bitsandbytes-nf4"], default=None)
+    g.add_argument("--quantization", choices=["bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4"], default=None,
+                   help="bitsandbytes weights: bitsandbytes = what a pre-quantized checkpoint declares, else nf4")
     g.add_argument("--quantize-embeddings", action="store_true", default=None,
                    help="with --quantization: also quantize the embeddings and lm_head")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
@@ -46,7 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", default=None,
                    help="a draft model path, or self / self-int8 / self-nf4 (the target's weights)")
     s.add_argument("--num-speculative-tokens", type=int, default=None)
-    s.add_argument("--draft-quantization", choices=["bitsandbytes-int8", "bitsandbytes-nf4"], default=None)
+    s.add_argument("--draft-quantization", choices=["bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4"],
+                   default=None)
     s.add_argument("--draft-load-format", choices=LOAD_FORMATS, default=None)
 
 

@@ -229,6 +229,8 @@ def _eos_ids(arch: ArchConfig, path: Path | None, tokenizer) -> list[int]:
 def _load_gguf(file: Path, *, dtype: str, device: torch.device, max_positions: int | None,
                quantization: str | None, quantize_embeddings: bool) -> LoadedModel:
     """GGUF via transformers (dequantized to float), then into our model."""
+    if quantization == "bitsandbytes":  # vLLM's name: no bitsandbytes config in a GGUF, so nf4
+        quantization = "bitsandbytes-nf4"
     quant = {"quantization": quantization, "quantize_embeddings": quantize_embeddings}
     hf_model, tokenizer = load_gguf_as_hf(file)
     arch = parse_arch_config(hf_model.config.to_dict(), str(file))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specserve.quant.names import INT8, NF4
+from specserve.quant.names import BNB, INT8, NF4
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,13 @@ _4BIT_STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 
 def checkpoint_quantization(raw_config: dict[str, Any], requested: str | None, source: str) -> str | None:
     """The method a checkpoint must be served with: `requested`, or the one its config.json's
-    `quantization_config` declares. Raises for checkpoints we cannot serve faithfully."""
+    `quantization_config` declares (`requested` "bitsandbytes", vLLM's name: that one, or nf4 for a
+    float checkpoint). Raises for checkpoints we cannot serve faithfully."""
     qc = raw_config.get("quantization_config")
+    if requested == BNB:
+        if not qc:
+            return NF4
+        requested = None
     if not qc:
         return requested
     kind = qc.get("quant_method", "unknown")

@@ -5,6 +5,8 @@ from __future__ import annotations
 INT8 = "bitsandbytes-int8"
 NF4 = "bitsandbytes-nf4"
 METHODS = (INT8, NF4)
+# vLLM's `--quantization bitsandbytes`: the method a pre-quantized checkpoint declares, else nf4
+BNB = "bitsandbytes"
 # --draft-model names for the target's own weights as the draft (quant/self_draft.py builds them)
 SELF_DRAFT_NAMES = {"self": None, "self-int8": INT8, "self-nf4": NF4}
 

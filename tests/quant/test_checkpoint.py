@@ -49,6 +49,14 @@ def test_prequantized_checkpoint_serves_its_stored_weights(tiny_llama_dir, tmp_p
     other = NF4 if method == INT8 else INT8
     with pytest.raises(ValueError, match=f"pre-quantized with {method}"):
         LLM(str(tmp_path / "q"), dtype="float32", device="cpu", num_kv_blocks=16, quantization=other)
+    # vLLM's `--quantization bitsandbytes`: what the checkpoint declares
+    generic = LLM(str(tmp_path / "q"), dtype="float32", device="cpu", num_kv_blocks=16, quantization="bitsandbytes")
+    assert generic.engine.loaded.quantization == method
+
+
+def test_generic_bitsandbytes_quantizes_a_float_checkpoint_to_nf4(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=16, quantization="bitsandbytes")
+    assert llm.engine.loaded.quantization == NF4
 
 
 def _with_quant_config(src, dst, qc: dict):

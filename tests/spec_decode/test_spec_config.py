@@ -1,0 +1,33 @@
+"""`--speculative-config` as vLLM reads it: a `model` without `method` is a draft model, a model that
+does not exist is refused at once, and ngram refuses a model it would ignore."""
+from __future__ import annotations
+
+import pytest
+
+from specserve.config import engine_config_from_args
+
+
+def test_a_model_without_method_is_a_draft_model(tiny_llama_dir):
+    config = engine_config_from_args(speculative_config=f'{{"model": "{tiny_llama_dir}", "num_speculative_tokens": 4}}')
+    assert config.spec.method == "draft_model" and config.spec.model == str(tiny_llama_dir)
+    assert config.spec.num_speculative_tokens == 4
+    assert engine_config_from_args(speculative_config='{"num_speculative_tokens": 2}').spec.method == "ngram"
+    shorthand = engine_config_from_args(speculative_config='{"num_speculative_tokens": 2}', draft_model="self-nf4")
+    assert shorthand.spec.method == "draft_model" and shorthand.spec.quantization == "bitsandbytes-nf4"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ('{"model": "/no/such/draft", "num_speculative_tokens": 4}', "draft model not found: /no/such/draft"),
+    ('{"method": "ngram", "model": "self"}', "takes no model"),
+    ('{"method": "eagle9"}', "is not one of"),
+    ('[1, 2]', "must be a JSON object"),
+    ('{"model": ', "not valid JSON"),
+])
+def test_what_cannot_be_honoured_is_refused(spec, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config_from_args(speculative_config=spec)
+
+
+def test_dummy_draft_shapes_need_no_path():
+    config = engine_config_from_args(speculative_config='{"model": "llama-3.2-1b", "load_format": "dummy"}')
+    assert config.spec.method == "draft_model"
