@@ -18,6 +18,10 @@ TINY_SHAPES = {
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=300, hidden_size=64,
                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                   max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Qwen3-shaped: q/k norms, head_dim (32) other than hidden / heads (16), GQA 4:2, no qkv bias
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=300, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
 
 
@@ -73,6 +77,8 @@ def build_tiny_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+            elif "q_norm" in name or "k_norm" in name:  # per-head norms (Qwen3): not all ones
+                p.normal_(1.0, 0.2)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
 

@@ -1,4 +1,4 @@
-"""Our Llama-family model (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral) over a flat ragged token batch.
+"""Our Llama-family model (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Mistral) over a flat ragged token batch.
 
 Fused QKV and gate/up projections; attention goes through an AttentionBackend over the paged KV cache.
 The forward takes all of a step's tokens at once ([num_tokens]); no batch or padding dimension.
@@ -25,6 +25,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
+        # Qwen3: each query / key head is RMS-normalised (its own weight over head_dim) before RoPE
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -33,6 +36,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))

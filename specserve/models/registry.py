@@ -10,6 +10,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -30,6 +31,7 @@ class ArchConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     torch_dtype: str | None
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -38,7 +40,7 @@ class ArchConfig:
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_layer = qkv + self.num_heads * self.head_dim * h + 3 * h * i + 2 * h
+        per_layer = qkv + self.num_heads * self.head_dim * h + 3 * h * i + 2 * h + 2 * self.head_dim * self.qk_norm
         return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -94,6 +96,7 @@ def parse_arch_config(raw: dict[str, Any], source: str = "config.json") -> ArchC
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=_as_list(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             raw=raw,
