@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ def load_model(model: str, *, dtype: str = "auto", device: torch.device, load_fo
         if path.is_file() and path.suffix == ".gguf":
             return _load_gguf(path, dtype=dtype, device=device, max_positions=max_positions, **quant)
         if not path.exists():
-            raise ValueError(f"model not found: {model} (give a HF model directory or a .gguf file)")
+            path = Path(hub_snapshot(model))
         if not path.is_dir():
             raise ValueError(f"model {model} is neither a directory nor a .gguf file")
         ggufs = sorted(path.glob("*.gguf"))
@@ -194,6 +195,31 @@ def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple
             raise ValueError(f"cannot read weights {f}: {e}") from None
         bar.update(1)
     bar.close()
+
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+
+
+def hub_snapshot(model: str) -> str:
+    """A model that is not a local path but looks like a hub id (`org/name`): its files from the
+    Hugging Face hub (cache first). Offline or not found: a ValueError naming the id and what to do."""
+    parts = model.split("/")
+    if len(parts) != 2 or not all(parts) or model.startswith((".", "~")):
+        raise ValueError(f"model not found: {model} (give a HF model directory, a .gguf file, or a hub id org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(model, allow_patterns=HUB_PATTERNS)
+    except HFValidationError as e:
+        raise ValueError(f"model not found: {model} is not a local path nor a valid hub id ({e})") from None
+    except Exception as e:  # offline, no network, unknown repo, gated: all end here
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hint = ("HF_HUB_OFFLINE is set, so only the local hub cache is looked at: download it once online, or "
+                "give a local directory" if offline else "check the id and the network (or set HF_TOKEN for a "
+                "gated model), or give a local directory")
+        raise ValueError(f"model {model!r} is not a local path and could not be fetched from the Hugging "
+                         f"Face hub: {type(e).__name__}: {e}. {hint}") from None
 
 
 def load_tokenizer(path: Path | str | None, gguf_file: str | None = None):
