@@ -29,6 +29,7 @@ class ModelConfig:
     quantize_embeddings: bool = False  # with `quantization`: also the embeddings and lm_head
     seed: int = 0
     tokenizer: str | None = None
+    chat_template: str | None = None  # a file or the Jinja template itself, instead of the tokenizer's
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -41,6 +42,9 @@ class ModelConfig:
                 "else nf4), bitsandbytes-int8, bitsandbytes-nf4")
         if self.quantize_embeddings and not self.quantization:
             raise ValueError("quantize_embeddings needs --quantization bitsandbytes-int8 or bitsandbytes-nf4")
+        if self.chat_template is not None and "{" not in self.chat_template \
+                and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template {self.chat_template!r} is neither a file nor a Jinja template")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -173,7 +177,7 @@ class EngineConfig:
 
 # Engine arguments (CLI long flags with underscores) -> where they live in EngineConfig.
 _MODEL_KEYS = {"model", "dtype", "load_format", "max_model_len", "quantization", "quantize_embeddings",
-               "seed", "tokenizer"}
+               "seed", "tokenizer", "chat_template"}
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                "enable_prefix_caching"}
 _SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens", "async_scheduling"}
@@ -213,6 +217,9 @@ def build_spec_config(speculative_config: Any = None, draft_model: str | None = 
 
 def engine_config_from_args(**kwargs: Any) -> EngineConfig:
     """Build an EngineConfig from engine arguments named like the CLI flags (underscores)."""
+    if kwargs.pop("enable_chunked_prefill", None) is False:  # vLLM's flag: always on here
+        raise ValueError("enable_chunked_prefill=False: specserve always chunks prefill into the step's token "
+                         "budget (max_num_batched_tokens); raise that for longer chunks")
     unknown = sorted(set(kwargs) - ENGINE_ARG_NAMES)
     if unknown:
         raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")

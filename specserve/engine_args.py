@@ -38,6 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None,
                    help="load the tokenizer (and chat template) from this directory instead of the model's")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="always on (prefill is chunked into the per-step token budget); "
+                        "--no-enable-chunked-prefill is refused")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model's math (default: torch's, one per core; on a machine "
                         "shared with other work, fewer is often faster)")
@@ -55,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_DESTS = ["dtype", "device", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "enable_prefix_caching", "quantization", "quantize_embeddings", "attention_backend",
-                "enforce_eager", "async_scheduling", "warmup", "seed", "threads", "tokenizer", "speculative_config",
+                "enforce_eager", "async_scheduling", "warmup", "seed", "threads", "tokenizer", "chat_template",
+                "enable_chunked_prefill", "speculative_config",
                 "draft_model", "num_speculative_tokens", "draft_quantization", "draft_load_format"]
 
 

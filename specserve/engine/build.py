@@ -6,6 +6,7 @@ config is left alone: `EngineParts.config` is the resolved copy (with the final 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 import gc
 import logging
 import time
@@ -139,6 +140,12 @@ def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedMode
             raise ValueError(f"tokenizer {mc.tokenizer} has {len(tokenizer)} tokens, more than the model's "
                              f"vocabulary of {loaded.arch.vocab_size}")
         loaded = dataclasses.replace(loaded, tokenizer=tokenizer)
+    if mc.chat_template is not None:  # vLLM's --chat-template: a file, or the template itself
+        if loaded.tokenizer is None:
+            raise ValueError("--chat-template needs a tokenizer (this model has none: give --tokenizer)")
+        template = Path(mc.chat_template)
+        loaded.tokenizer.chat_template = (template.read_text() if "{" not in mc.chat_template and template.is_file()
+                                          else mc.chat_template)
     mem = weight_memory(loaded.model)  # quantized storage counted as stored, tied weights once
     quant = "" if not loaded.quantization else (
         f"; {loaded.quantization}: {mem.num_quantized_layers} quantized layers {format_bytes(mem.quantized)} "

@@ -54,7 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="most sequences (prompts x n) one request may hold (default 256)")
     g.add_argument("--max-frame-size", type=parse_size, default=1 << 20,
                    help="largest WebSocket frame / HTTP body accepted, e.g. 1M (default 1 MiB)")
-    g.add_argument("--served-model-name", default=None, help="the name clients use in `model`")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name clients use in `model` (more names: also accepted)")
+    g.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves this under")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS / WSS with this key (and --ssl-certfile)")
+    g.add_argument("--ssl-certfile", default=None)
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level); info logs every request")
     g.add_argument("--api-server-count", type=int, default=None,
                    help="server processes in front of the one engine core process (default: 2 when the "
                         "engine runs on a GPU and the host has 8+ cores, where one event loop cannot keep "
@@ -188,14 +195,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.settings import ServerSettings, model_aliases, served_name_for
 
     args = resolve_serve_args(args)
+    names = [args.served_model_name] if isinstance(args.served_model_name, str) else list(args.served_model_name or [])
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                               allowed_origins=_list(args.allowed_origins), allowed_hosts=_list(args.allowed_hosts),
                               max_prompts_per_request=args.max_prompts_per_request,
                               max_sequences_per_request=args.max_sequences_per_request,
-                              max_frame_size=args.max_frame_size, served_model_name=args.served_model_name,
-                              extra_model_names=model_aliases(args.model))
+                              max_frame_size=args.max_frame_size, served_model_name=names[0] if names else None,
+                              extra_model_names=model_aliases(args.model) + names[1:], root_path=args.root_path,
+                              ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                              uvicorn_log_level=args.uvicorn_log_level)
     config = engine_config_from_args(model=args.model, **engine_kwargs(args))  # bad flags fail here, early
-    name = served_name_for(args.model, args.served_model_name)
+    name = served_name_for(args.model, names[0] if names else None)
     if not _is_loopback(settings.host) and settings.api_key is None:
         logger.warning("listening on %s without --api-key: anyone who can reach it can use it", settings.host)
     if settings.host in ("0.0.0.0", "::") and not settings.allowed_hosts:
@@ -232,7 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(lambda: AsyncEngine(config, on_dead=on_engine_dead, log_level=args.log_level),
                     settings, name, on_load_error, on_ready)
     server = uvicorn.Server(uvicorn_config(app, settings, args.log_level))
-    print(f"specserve: serving {name} on http://{settings.host}:{settings.port} (loading the model...)",
+    print(f"specserve: serving {name} on {settings.url} (loading the model...)",
           file=sys.stderr, flush=True)
     # uvicorn handles SIGINT/SIGTERM while it runs (stop accepting, finish or cancel what is in
     # flight, then the lifespan stops the engine core) and re-raises the signal afterwards: with

@@ -38,6 +38,10 @@ class ServerSettings:
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     served_model_name: str | None = None
     extra_model_names: list[str] = field(default_factory=list)  # also accepted in the `model` field
+    root_path: str = ""  # the path prefix a proxy serves this under (ASGI root_path)
+    ssl_keyfile: str | None = None  # HTTPS / WSS with both
+    ssl_certfile: str | None = None
+    uvicorn_log_level: str | None = None  # uvicorn's own logs (default: the CLI's --log-level)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -47,6 +51,12 @@ class ServerSettings:
         for name in ("max_prompts_per_request", "max_sequences_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name.replace('_', '-')} {path}: no such file")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it out to disable authentication)")
 
@@ -54,6 +64,11 @@ class ServerSettings:
     def host_names(self) -> frozenset[str]:
         from specserve.server.security import allowed_host_names
         return allowed_host_names(self.host, self.allowed_hosts)
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.ssl_certfile else "http"
+        return f"{scheme}://{self.host}:{self.port}{self.root_path}"
 
     @property
     def hard_frame_limit(self) -> int:

@@ -57,7 +57,7 @@ def serve_many(config: EngineConfig, settings: ServerSettings, name: str, num_se
     from specserve.engine.core_process import CoreProcess, exit_reason
 
     sock = _listen(settings.host, settings.port)
-    print(f"specserve: serving {name} on http://{settings.host}:{settings.port} with {num_servers} server "
+    print(f"specserve: serving {name} on {settings.url} with {num_servers} server "
           "processes (loading the model...)", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)

@@ -3,9 +3,11 @@ presets, and the real command in a subprocess."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -97,3 +99,49 @@ def test_serve_reports_bad_flags_before_listening(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "specserve.cli", "serve", "--block-size", "3", "--port",
                            str(free_port())], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "block_size" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command for a test certificate")
+def test_vllm_style_flags_tls_names_root_path_chat_template(tiny_chat_dir, tmp_path):
+    """`--ssl-keyfile/--ssl-certfile` (HTTPS), several `--served-model-name`s, `--root-path`,
+    `--chat-template` (a file), `--enable-chunked-prefill`, `--uvicorn-log-level`, on the real command."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    port = free_port()
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", str(tiny_chat_dir), "--port", str(port), "--dtype",
+           "float32", "--device", "cpu", "--num-kv-blocks", "32", "--served-model-name", "first", "second",
+           "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/api",
+           "--chat-template", str(template), "--enable-chunked-prefill", "--uvicorn-log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"https://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", verify=False, timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.3)
+        answers = [httpx.post(url + "/v1/chat/completions", verify=False, timeout=60,
+                              json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                    "ignore_eos": True})
+                   for name in ("first", "second")]
+        models = httpx.get(url + "/v1/models", verify=False).json()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert answers[0].json()["usage"]["prompt_tokens"] == len("<<hi>>")  # the template was used (char tokenizer)
+    assert models["data"][0]["id"] == "first"
+    assert f"serving first on https://127.0.0.1:{port}/api" in out
+
+
+def test_chunked_prefill_cannot_be_turned_off():
+    from specserve import LLM
+    with pytest.raises(ValueError, match="always chunks prefill"):
+        LLM(enable_chunked_prefill=False)
