@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 
 from specserve import __version__
 from specserve.server.metrics import CONTENT_TYPE
-from specserve.server.openai import openai_routes
+from specserve.server.openai import openai_routes, tokenizer_routes
 from specserve.server.security import ApiKeyMiddleware, TrustedHostMiddleware, error_body
 from specserve.server.settings import ServerSettings
 from specserve.server.state import EngineFactory, ServerState
@@ -106,6 +106,7 @@ def build_app(engine_factory: EngineFactory, settings: ServerSettings | None = N
         Route("/metrics", metrics),
         WebSocketRoute("/v1/ws", websocket_endpoint),
         *openai_routes(),
+        *tokenizer_routes(),
     ]
     static = web_dir()
     if static.is_dir():
@@ -125,7 +126,9 @@ def build_app(engine_factory: EngineFactory, settings: ServerSettings | None = N
 def uvicorn_config(app: Starlette, settings: ServerSettings, log_level: str = "warning") -> uvicorn.Config:
     """uvicorn settings that go with the app: frames above `hard_frame_limit` close the socket (1009);
     frames between `max_frame_size` and that cap get an `error` event from the app."""
+    level = (settings.uvicorn_log_level or log_level).lower()
     return uvicorn.Config(app, host=settings.host, port=settings.port, ws="websockets-sansio",
                           ws_max_size=settings.hard_frame_limit, ws_ping_interval=20.0, ws_ping_timeout=20.0,
-                          lifespan="on", log_level=log_level.lower(), access_log=log_level.lower() == "debug",
-                          timeout_graceful_shutdown=5)
+                          lifespan="on", log_level=level, access_log=level in ("debug", "trace", "info"),
+                          timeout_graceful_shutdown=5, root_path=settings.root_path,
+                          ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile)

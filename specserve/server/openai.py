@@ -1,10 +1,12 @@
-"""OpenAI-compatible HTTP routes: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible HTTP routes: /v1/models[/{model}], /v1/completions, /v1/chat/completions, and
+vLLM's /tokenize and /detokenize.
 
 Non-streaming answers come when every sample has finished; streaming answers are SSE
 (`data: {chunk}` lines, then `data: [DONE]`). A client that disconnects aborts its requests.
 Errors use OpenAI's body `{"error": {message, type, param, code}}` with 400 (bad input),
 401 (bad key, see security.py), 404 (unknown model or route), 413 (body too large) and
-503 (model not loaded yet).
+503 (model not loaded yet). Every response carries `X-Request-Id`: the client's, else the answer's
+id (`cmpl-…`, `chatcmpl-…`), else a fresh one.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -20,34 +22,73 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specserve.engine.async_engine import AsyncEngine, EngineDeadError
+from specserve.engine.intake import Prompt, PromptError
 from specserve.server.openai_protocol import (
+    NO_TOKENIZER,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
     chat_logprobs,
+    check_request_id,
     completion_logprobs,
+    detokenize,
     finish_reason,
+    tokenize,
     usage_dict,
 )
 from specserve.server.protocol import format_validation_error
+from specserve.server.security import api_key_matches, bearer_token
 from specserve.server.state import NotReadyError, ServerState
-from specserve.engine.intake import Prompt, PromptError
 from specserve.server.streaming import Delta, RequestStream
 from specserve.server.validation import InputError, check_request_size, is_json_content_type, parse_json_object
 
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25
+REQUEST_ID = "x-request-id"
+
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def openai_routes() -> list[Route]:
-    return [Route("/v1/models", list_models, methods=["GET"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    return [Route("/v1/models", _with_request_id(list_models), methods=["GET"]),
+            Route("/v1/models/{model:path}", _with_request_id(retrieve_model), methods=["GET"]),
+            Route("/v1/completions", _with_request_id(completions), methods=["POST"]),
+            Route("/v1/chat/completions", _with_request_id(chat_completions), methods=["POST"])]
 
 
-def _error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def tokenizer_routes() -> list[Route]:
+    """vLLM's /tokenize and /detokenize (outside /v1/, so they check the API key themselves)."""
+    return [Route("/tokenize", _with_request_id(_tokenizer_endpoint(TokenizeRequest, tokenize)), methods=["POST"]),
+            Route("/detokenize", _with_request_id(_tokenizer_endpoint(DetokenizeRequest, detokenize)),
+                  methods=["POST"])]
+
+
+def _error_response(e: OpenAIError, request_id: str | None = None) -> JSONResponse:
+    headers = dict(e.headers or {}) | ({REQUEST_ID: request_id} if request_id else {})
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
+
+
+def _with_request_id(endpoint: Endpoint) -> Endpoint:
+    """`endpoint` whose every response carries X-Request-Id: the client's (400 if malformed), else the one
+    the endpoint set (its answer's id), else a fresh one."""
+    async def run(request: Request) -> Response:
+        given = request.headers.get(REQUEST_ID)
+        try:
+            if given is not None:
+                check_request_id(given)
+        except OpenAIError as e:
+            response, given = _error_response(e), None
+        else:
+            response = await endpoint(request)
+        if given is not None:
+            response.headers[REQUEST_ID] = given
+        elif REQUEST_ID not in response.headers:
+            response.headers[REQUEST_ID] = ServerState.new_id("req")
+        return response
+    return run
 
 
 def _ready(request: Request) -> tuple[ServerState, AsyncEngine]:
@@ -88,14 +129,53 @@ def _check_model(state: ServerState, name: str | None) -> None:
                           type="not_found_error", code="model_not_found", param="model")
 
 
+def _check_api_key(request: Request, state: ServerState) -> None:
+    """What ApiKeyMiddleware does for /v1/*, for routes outside it."""
+    key = state.settings.api_key
+    if key is None:
+        return
+    token = bearer_token(request.headers.get("authorization"))
+    if not api_key_matches(token, key):
+        raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'" if token is None
+                          else "incorrect API key", type="authentication_error", code="invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer"})
+
+
+def _model_card(state: ServerState, engine: AsyncEngine) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specserve",
+            "root": engine.model_info.model, "max_model_len": engine.model_info.max_model_len}
+
+
 async def list_models(request: Request) -> Response:
     try:
         state, engine = _ready(request)
     except OpenAIError as e:
         return _error_response(e)
-    card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specserve",
-            "root": engine.model_info.model, "max_model_len": engine.model_info.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
+    return JSONResponse({"object": "list", "data": [_model_card(state, engine)]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """The served model's card for any name it accepts (the listed one, or an --extra-model-names alias)."""
+    try:
+        state, engine = _ready(request)
+        _check_model(state, request.path_params["model"])
+    except OpenAIError as e:
+        return _error_response(e)
+    return JSONResponse(_model_card(state, engine))
+
+
+def _tokenizer_endpoint(body: type[BaseModel], answer: Callable[..., dict]) -> Endpoint:
+    """/tokenize or /detokenize: `answer(tokenizer, request body, model_info)` as JSON."""
+    async def run(request: Request) -> Response:
+        try:
+            _check_api_key(request, request.app.state.server)
+            state, engine = _ready(request)
+            req = await _read_body(request, body, state.settings.max_frame_size)
+            _check_model(state, req.model)
+            return JSONResponse(answer(engine.tokenizer, req, engine.model_info))
+        except OpenAIError as e:
+            return _error_response(e)
+    return run
 
 
 async def completions(request: Request) -> Response:
@@ -107,9 +187,11 @@ async def completions(request: Request) -> Response:
         prompts = req.prompts()
         _check_size(state, len(prompts), params.n)
         prompts = [_prompt(engine, p, None) for p in prompts]
+        _check_context(engine, prompts, *req.requested_max_tokens())
+        echo = [_echo_text(engine, p) for p in prompts] if req.echo else None
     except OpenAIError as e:
         return _error_response(e)
-    return await _respond(request, state, engine, req, params, prompts, chat=False)
+    return await _respond(request, state, engine, req, params, prompts, chat=False, echo=echo)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -120,6 +202,7 @@ async def chat_completions(request: Request) -> Response:
         params = req.sampling_params()
         _check_size(state, 1, params.n)
         prompts = [_prompt(engine, None, [m.as_template_message() for m in req.messages])]
+        _check_context(engine, prompts, *req.requested_max_tokens())
     except OpenAIError as e:
         return _error_response(e)
     return await _respond(request, state, engine, req, params, prompts, chat=True)
@@ -133,6 +216,29 @@ def _check_size(state: ServerState, num_prompts: int, n: int) -> None:
         raise OpenAIError(400, e.message, code=e.code, param=e.param) from None
 
 
+def _check_context(engine: AsyncEngine, prompts: list[Prompt], max_tokens: int | None, param: str) -> None:
+    """A cap the client chose must fit the context with every prompt (vLLM answers 400, never caps)."""
+    if max_tokens is None:
+        return
+    max_model_len = engine.model_info.max_model_len
+    for p in prompts:
+        num_prompt = len(p.token_ids)
+        if num_prompt + max_tokens > max_model_len:
+            raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+                              f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                              f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                              f"{param}.", code="context_length_exceeded", param=param)
+
+
+def _echo_text(engine: AsyncEngine, prompt: Prompt) -> str:
+    """The prompt as `echo` shows it: the text it came as, or its token ids decoded."""
+    if prompt.text is not None:
+        return prompt.text
+    if engine.tokenizer is None:
+        raise OpenAIError(400, f"echo needs the prompt's text; {NO_TOKENIZER}", param="echo")
+    return engine.tokenizer.decode(prompt.token_ids)
+
+
 def _prompt(engine: AsyncEngine, prompt, messages) -> Prompt:
     try:
         return engine.intake.chat(messages) if messages is not None else engine.intake.prompt(prompt)
@@ -143,8 +249,10 @@ def _prompt(engine: AsyncEngine, prompt, messages) -> Prompt:
 class _Answer:
     """Builds the response objects of one completions / chat completions call."""
 
-    def __init__(self, state: ServerState, engine: AsyncEngine, req, n: int, chat: bool) -> None:
+    def __init__(self, state: ServerState, engine: AsyncEngine, req, n: int, chat: bool,
+                 echo: list[str] | None = None) -> None:
         self.chat, self.n, self.req = chat, n, req
+        self.echo = echo  # per prompt: the text each of its choices starts with
         self.tokenizer = engine.tokenizer
         self.id = state.new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
@@ -173,27 +281,31 @@ class _Answer:
         self.text_offsets[index] = sum(len(t) for t in out["tokens"]) + self.text_offsets.get(index, 0)
         return out
 
-    def final_choice(self, index: int, text: str, reason: str | None, token_ids, lps) -> dict:
+    def final_choice(self, index: int, text: str, reason: str | None, stop_reason: int | str | None,
+                     token_ids, lps) -> dict:
         choice = {"index": index, "finish_reason": finish_reason(reason) or "stop",
-                  "logprobs": self.logprobs(index, token_ids, lps)}
+                  "logprobs": self.logprobs(index, token_ids, lps), "stop_reason": stop_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = self._echoed(index, text, True)
         if self.req.return_token_ids:
             choice["token_ids"] = list(token_ids)
         return choice
 
-    def delta_choice(self, index: int, d: Delta, first: bool) -> dict:
+    def delta_choice(self, index: int, d: Delta, first: bool, stop_reason: int | str | None) -> dict:
         choice = {"index": index, "finish_reason": finish_reason(d.finish_reason),
-                  "logprobs": self.logprobs(index, d.token_ids, d.logprobs)}
+                  "logprobs": self.logprobs(index, d.token_ids, d.logprobs), "stop_reason": stop_reason}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
         else:
-            choice["text"] = d.text
+            choice["text"] = self._echoed(index, d.text, first)
         if self.req.return_token_ids:
             choice["token_ids"] = d.token_ids
         return choice
+
+    def _echoed(self, index: int, text: str, first: bool) -> str:
+        return self.echo[index // self.n] + text if self.echo and first else text
 
 
 def _usage(streams: list[RequestStream]) -> dict:
@@ -203,13 +315,14 @@ def _usage(streams: list[RequestStream]) -> dict:
 
 
 async def _respond(request: Request, state: ServerState, engine: AsyncEngine, req, params,
-                   prompts: list[Prompt], chat: bool) -> Response:
-    answer = _Answer(state, engine, req, params.n, chat)
+                   prompts: list[Prompt], chat: bool, echo: list[str] | None = None) -> Response:
+    answer = _Answer(state, engine, req, params.n, chat, echo)
     streams = [RequestStream(engine, state.metrics, ids, params, f"{answer.id}-{k}", owner=answer.id)
                for k, ids in enumerate(prompts)]
     if req.stream:
         return StreamingResponse(_sse(answer, streams), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          REQUEST_ID: answer.id})
 
     async def drain(s: RequestStream) -> None:
         async for _ in s.deltas():
@@ -223,7 +336,7 @@ async def _respond(request: Request, state: ServerState, engine: AsyncEngine, re
         await work
     except Exception as e:  # engine failure: 500 (503 if the engine is gone), the server goes on
         logger.warning("request %s failed: %s", answer.id, e)
-        return _error_response(_generation_error(e))
+        return _error_response(_generation_error(e), answer.id)
     finally:
         for t in tasks:  # after a failure (or a disconnect) the other samples stop too
             t.cancel()
@@ -232,9 +345,9 @@ async def _respond(request: Request, state: ServerState, engine: AsyncEngine, re
     choices = []
     for k, s in enumerate(streams):
         for o in s.final.outputs:
-            choices.append(answer.final_choice(k * params.n + o.index, o.text, o.finish_reason,
+            choices.append(answer.final_choice(k * params.n + o.index, o.text, o.finish_reason, o.stop_reason,
                                                o.token_ids, o.logprobs))
-    return JSONResponse(answer.head(choices, _usage(streams)))
+    return JSONResponse(answer.head(choices, _usage(streams)), headers={REQUEST_ID: answer.id})
 
 
 def _generation_error(e: Exception) -> OpenAIError:
@@ -290,7 +403,9 @@ async def _sse(answer: _Answer, streams: list[RequestStream]) -> AsyncIterator[s
                 if not (d.text or d.finish_reason or first or (answer.want_tokens and d.token_ids)):
                     continue  # tokens whose text is held back (a partial character or stop string)
                 started.add(index)
-                choices.append(answer.delta_choice(index, d, first))
+                # a finished sample's stop_reason is settled in every later output of its stream
+                stop_reason = streams[k].final.outputs[d.index].stop_reason if d.finish_reason else None
+                choices.append(answer.delta_choice(index, d, first, stop_reason))
             if choices:
                 usage = _usage(streams) if continuous and answer.req.include_usage else None
                 yield _sse_line(answer.head(choices, usage, chunk=True))

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible HTTP API, and their mapping to SamplingParams.
+"""Request bodies of the OpenAI-compatible HTTP API (and of vLLM's /tokenize, /detokenize), and their
+mapping to SamplingParams.
 
 Fields OpenAI defines and we do not support are refused with a 400 naming the field (never silently
 ignored when that would change the answer); unknown fields are ignored, as OpenAI does. vLLM's
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from specserve.engine.messages import ModelInfo
 from specserve.sampling_params import SamplingParams
 from specserve.server.validation import (
     MAX_STOP_STRINGS,
@@ -30,13 +32,18 @@ from specserve.server.validation import (
 )
 
 
+MAX_REQUEST_ID_LENGTH = 128
+NO_TOKENIZER = "this model has no tokenizer: it takes and returns token ids only"
+
+
 class OpenAIError(Exception):
-    """Becomes `{"error": {message, type, param, code}}` with this HTTP status."""
+    """Becomes `{"error": {message, type, param, code}}` with this HTTP status (and `headers`)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -46,6 +53,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class _SamplingFields(BaseModel):
@@ -74,10 +84,24 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: CacheSalt | None = None
     return_token_ids: bool = False  # each choice (and stream chunk) carries its output `token_ids`
+    # constrained decoding (OpenAI's and vLLM's names): not implemented yet, so refused, never ignored
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    response_format: dict[str, Any] | None = None
 
     def _check_common(self) -> None:
         if self.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+        for name in STRUCTURED_FIELDS:
+            if getattr(self, name, None) is not None:
+                raise OpenAIError(400, f"{name}: structured outputs are not supported by this server yet",
+                                  param=name)
+        if self.response_format and self.response_format.get("type") != "text":
+            raise OpenAIError(400, "only response_format {\"type\": \"text\"} is supported",
+                              param="response_format")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true",
                               param="stream_options")
@@ -119,10 +143,16 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]
         return list(p)
 
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the output cap the client asked for, the field it came in); None: up to the context. Left
+        out, the default 16 stays capped by the context: only a cap the client chose is checked."""
+        return (self.max_tokens if "max_tokens" in self.model_fields_set else None), "max_tokens"
+
     def sampling_params(self) -> SamplingParams:
         self._check_common()
-        if self.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
+                              param="echo")
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -156,7 +186,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -164,13 +193,80 @@ class ChatCompletionRequest(_SamplingFields):
             raise OpenAIError(400, "tools are not supported by this server", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise OpenAIError(400, "tool_choice is not supported by this server", param="tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise OpenAIError(400, "only response_format {\"type\": \"text\"} is supported",
-                              param="response_format")
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._params(self.requested_max_tokens()[0], (self.top_logprobs or 0) if self.logprobs else None)
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a `prompt` (tokenized as /v1/completions does) or chat `messages` (through the
+    chat template, as /v1/chat/completions does, unless `add_generation_prompt` is false)."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (the template has them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def tokenize(tokenizer, req: TokenizeRequest, info: ModelInfo) -> dict:
+    """The /tokenize answer: `{count, max_model_len, tokens}` (+ `token_strs` when asked for)."""
+    if (req.prompt is None) == (req.messages is None):
+        raise OpenAIError(400, "send either 'prompt' (text) or 'messages' (chat)", param="prompt")
+    if tokenizer is None:
+        raise OpenAIError(400, NO_TOKENIZER, code="no_tokenizer")
+    if req.prompt is not None:
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    else:
+        # Intake.apply_chat_template always adds the generation prompt; here the client may leave it out
+        if not getattr(tokenizer, "chat_template", None):
+            raise OpenAIError(400, "this model has no chat template", code="invalid_messages", param="messages")
+        try:
+            text = tokenizer.apply_chat_template([m.as_template_message() for m in req.messages], tokenize=False,
+                                                 add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # jinja errors: bad roles / content
+            raise OpenAIError(400, f"cannot apply the chat template: {e}", code="invalid_messages",
+                              param="messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+    out = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+def detokenize(tokenizer, req: DetokenizeRequest, info: ModelInfo) -> dict:
+    """The /detokenize answer: `{prompt}`, the text of `tokens` (ids in the model's vocabulary)."""
+    if tokenizer is None:
+        raise OpenAIError(400, NO_TOKENIZER, code="no_tokenizer")
+    bad = next((t for t in req.tokens if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise OpenAIError(400, f"token id {bad} is outside the vocabulary (0..{info.vocab_size - 1})",
+                          code="invalid_tokens", param="tokens")
+    return {"prompt": tokenizer.decode(req.tokens)}
+
+
+def check_request_id(value: str) -> None:
+    """A client's X-Request-Id is echoed in a response header: 1..128 printable ASCII characters."""
+    if not 1 <= len(value) <= MAX_REQUEST_ID_LENGTH:
+        problem = f"got {len(value)} characters"
+    elif not all(" " <= c <= "~" for c in value):
+        problem = "it holds a character outside printable ASCII"
+    else:
+        return
+    raise OpenAIError(400, f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_LENGTH} printable ASCII "
+                      f"characters ({problem})", code="invalid_request_id")
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

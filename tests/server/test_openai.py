@@ -97,7 +97,6 @@ def test_completion_stream(client, smol_server):
     (dict(max_tokens=0), "max_tokens"),
     (dict(n=100), "n"),
     (dict(prompt="x " * 3000), "prompt"),
-    (dict(extra_body={"echo": True}), "echo"),
 ])
 def test_bad_input_is_a_400(client, kwargs, param):
     args = dict(model=MODEL, prompt="hello", max_tokens=4) | kwargs
