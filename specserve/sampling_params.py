@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 GREEDY_EPS = 1e-5
 # seeds are 64-bit signed integers (vLLM's range); child i of an n > 1 request draws with seed + i
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 
 @dataclass
@@ -29,6 +30,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +68,11 @@ class SamplingParams:
              f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}"),
             (self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
              "cache_salt must be a non-empty string (leave it out for the shared cache)"),
+            (self.logit_bias is None or (len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+                and not isinstance(b, bool) and math.isfinite(b) and -100.0 <= b <= 100.0
+                for t, b in self.logit_bias.items())),
+             f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids (non-negative integers) to biases in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -82,6 +89,11 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties, the eos ban before min_tokens, or a logit bias change the logits before sampling."""
+        return self.has_penalties or self.min_tokens > 0 or bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:

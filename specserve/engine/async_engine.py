@@ -159,6 +159,7 @@ class AsyncEngine:
             raise EngineDeadError(self._dead)
         params = params or SamplingParams()
         validated = self.intake.prompt(prompt)
+        self.intake.check_params(params)
         req_id = request_id or uuid.uuid4().hex
         self._bind_loop()
         if req_id in self._streams:

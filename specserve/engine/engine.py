@@ -142,6 +142,7 @@ class LLMEngine:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         validated = self.intake.prompt(prompt)
+        self.intake.check_params(params)
         times = {} if arrival_time is None else {"arrival_time": arrival_time}
         children = []
         for i in range(params.n):

@@ -4,7 +4,8 @@ protocols go through it; a `Prompt` it returned passes through again without bei
 
 Codes (PromptError.code): `invalid_prompt` (empty, no tokenizer for text, token id outside the
 vocabulary, wrong type), `invalid_messages` (no chat template, or the template refused them),
-`context_length_exceeded` (no room left for one output token).
+`context_length_exceeded` (no room left for one output token), `invalid_parameter` (sampling
+parameters naming token ids outside the vocabulary).
 """
 from __future__ import annotations
 
@@ -58,6 +59,13 @@ class Intake:
                                   f"(0..{self.vocab_size - 1})")
             return self._checked(None, list(prompt))
         raise PromptError("invalid_prompt", "a prompt is a string, a list of token ids, or a dict")
+
+    def check_params(self, params) -> None:
+        """What SamplingParams cannot check alone: token ids it names are in the vocabulary."""
+        bad = next((t for t in (params.logit_bias or ()) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise PromptError("invalid_parameter", f"logit_bias token id {bad} is outside the vocabulary "
+                              f"(0..{self.vocab_size - 1})")
 
     def chat(self, messages: Sequence[dict]) -> Prompt:
         """Chat messages ({role, content: str}) through the model's chat template, tokenized without

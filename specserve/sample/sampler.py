@@ -51,8 +51,8 @@ class SamplingRow:
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Repetition (prompt + output), presence and frequency (output) penalties, and the eos/stop
-    ban before min_tokens. logits: [N, V] fp32, modified in place and returned."""
+    """Repetition (prompt + output), presence and frequency (output) penalties, the logit bias, and
+    the eos/stop ban before min_tokens. logits: [N, V] fp32, modified in place and returned."""
     vocab = logits.shape[1]
     for i, row in enumerate(rows):
         p = row.params
@@ -68,6 +68,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
                                         row_logits * p.repetition_penalty)
                 logits[i] = torch.where(seen, penalized, row_logits)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
         if p.stop_tokens_banned(len(row.output_token_ids)):
             banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < vocab]
             if banned:
@@ -158,7 +161,7 @@ class Sampler:
     def sample(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Token ids [N] on the logits' device (no host synchronisation); `processed` may be modified."""
         params = [r.params for r in rows]
-        if any(p.has_penalties or p.min_tokens for p in params):
+        if any(p.adjusts_logits for p in params):
             processed = apply_penalties(processed, rows)
         if all(p.greedy for p in params):
             tokens = processed.argmax(dim=-1)

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from specserve.engine.async_engine import AsyncEngine, EngineDeadError
 from specserve.engine.intake import Prompt, PromptError
+from specserve.sampling_params import SamplingParams
 from specserve.server.openai_protocol import (
     NO_TOKENIZER,
     ChatCompletionRequest,
@@ -183,7 +184,7 @@ async def completions(request: Request) -> Response:
         state, engine = _ready(request)
         req = await _read_body(request, CompletionRequest, state.settings.max_frame_size)
         _check_model(state, req.model)
-        params = req.sampling_params()
+        params = _checked_params(engine, req)
         prompts = req.prompts()
         _check_size(state, len(prompts), params.n)
         prompts = [_prompt(engine, p, None) for p in prompts]
@@ -199,13 +200,22 @@ async def chat_completions(request: Request) -> Response:
         state, engine = _ready(request)
         req = await _read_body(request, ChatCompletionRequest, state.settings.max_frame_size)
         _check_model(state, req.model)
-        params = req.sampling_params()
+        params = _checked_params(engine, req)
         _check_size(state, 1, params.n)
         prompts = [_prompt(engine, None, [m.as_template_message() for m in req.messages])]
         _check_context(engine, prompts, *req.requested_max_tokens())
     except OpenAIError as e:
         return _error_response(e)
     return await _respond(request, state, engine, req, params, prompts, chat=True)
+
+
+def _checked_params(engine: AsyncEngine, req) -> SamplingParams:
+    params = req.sampling_params()
+    try:
+        engine.intake.check_params(params)
+    except PromptError as e:
+        raise OpenAIError(400, str(e), code=e.code, param="logit_bias") from None
+    return params
 
 
 def _check_size(state: ServerState, num_prompts: int, n: int) -> None:

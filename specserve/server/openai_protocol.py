@@ -93,8 +93,6 @@ class _SamplingFields(BaseModel):
     response_format: dict[str, Any] | None = None
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
         for name in STRUCTURED_FIELDS:
             if getattr(self, name, None) is not None:
                 raise OpenAIError(400, f"{name}: structured outputs are not supported by this server yet",
@@ -116,9 +114,19 @@ class _SamplingFields(BaseModel):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt)
+                include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
+                logit_bias=self._logit_bias())
         except InputError as e:
             raise OpenAIError(400, e.message, code=e.code) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's `logit_bias` has token ids as JSON object keys (strings)."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(t): b for t, b in self.logit_bias.items()}
+        except ValueError:
+            raise OpenAIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
 
     @property
     def include_usage(self) -> bool:

@@ -181,7 +181,7 @@ class RejectionSampler:
     def _penalize(target: torch.Tensor, reqs: Sequence[VerifyRequest], max_k: int) -> None:
         """Penalties and the min_tokens ban on every row, with the history up to that row's position.
         target: [R * (K+1), V], edited in place."""
-        need = [i for i, r in enumerate(reqs) if r.row.params.has_penalties or r.row.params.min_tokens]
+        need = [i for i, r in enumerate(reqs) if r.row.params.adjusts_logits]
         if not need:
             return
         rows, index = [], []

@@ -267,3 +267,13 @@ def test_structured_outputs_are_refused_not_ignored(smol_server, path, extra, pa
     body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
     r = post(smol_server, path, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_logit_bias_over_the_openai_client(client, smol_server):
+    """OpenAI's `logit_bias` (token ids as string keys): +100 on one token makes greedy pick it."""
+    token = tokens_of(smol_server, prompt=" Paris")[-1]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logit_bias={str(token): 100}, extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == [token] * 4
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={"999999": 1})
