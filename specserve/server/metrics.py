@@ -98,6 +98,8 @@ class ServerMetrics:
                               _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              _E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time a request waited, from arrival to its first scheduled step.", _E2E_BUCKETS)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.",
                                                _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens",
@@ -107,7 +109,7 @@ class ServerMetrics:
             c.labels(model_name)
         for reason in ("stop", "length"):
             self.request_success.labels(model_name, reason)
-        for h in (self.ttft, self.itl, self.tpot, self.e2e, self.request_prompt_tokens,
+        for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.request_prompt_tokens,
                   self.request_generation_tokens):
             h.labels(model_name)
 

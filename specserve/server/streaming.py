@@ -136,6 +136,9 @@ class RequestStream:
         m.request_prompt_tokens.labels(name).observe(len(self.prompt_ids))
         m.request_generation_tokens.labels(name).observe(self.num_output_tokens)
         m.e2e.labels(name).observe(time.monotonic() - self.start)
+        timing = self.final.metrics if self.final is not None else None
+        if timing is not None and timing.first_scheduled_time is not None:
+            m.queue_time.labels(name).observe(max(0.0, timing.first_scheduled_time - timing.arrival_time))
         if self.outcome in ("completed", "incomplete"):
             m.request_success.labels(name, "length" if self.outcome == "incomplete" else "stop").inc()
         elif self.outcome == "cancelled":

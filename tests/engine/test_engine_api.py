@@ -43,7 +43,7 @@ def test_cli_errors_are_one_liners(tmp_path):
                            str(tmp_path / "missing")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"specserve: error: model not found: {tmp_path / 'missing'} "
-                                                "(give a HF model directory or a .gguf file)"]
+                                                "(give a HF model directory, a .gguf file, or a hub id org/name)"]
     assert "Traceback" not in proc.stderr
 
 

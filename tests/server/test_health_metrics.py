@@ -102,6 +102,7 @@ def test_metrics_follow_traffic(tiny_server):
     assert delta("specserve:prompt_tokens_total") == 8
     assert delta("specserve:generation_tokens_total") >= 8
     assert delta("specserve:time_to_first_token_seconds_count") == 3
+    assert delta("specserve:request_queue_time_seconds_count") == 3  # every request that was scheduled
     # one observation per streamed delta after the first: fewer when a reader's deltas were coalesced
     assert delta("specserve:inter_token_latency_seconds_count") >= 1
     assert delta("specserve:prefix_cache_queries_total") >= 8  # the engine's own counter, read at scrape time
