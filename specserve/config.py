@@ -116,9 +116,7 @@ class SpecConfig:
         if self.method == "ngram" and self.model:
             raise ValueError(f"speculative method ngram drafts from the prompt and takes no model; for the "
                              f"draft model {self.model!r} use method draft_model (or leave method out)")
-        if (self.method == "draft_model" and not is_self_draft(self.model) and self.load_format != "dummy"
-                and not Path(self.model).exists()):
-            raise ValueError(f"draft model not found: {self.model} (a HF model directory or a .gguf file)")
+
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -212,7 +210,17 @@ def build_spec_config(speculative_config: Any = None, draft_model: str | None = 
         spec["load_format"] = draft_load_format
     if not spec:
         return None
-    return SpecConfig.parse(spec)
+    parsed = SpecConfig.parse(spec)
+    model = parsed.model
+    if (parsed.method == "draft_model" and not is_self_draft(model) and parsed.load_format != "dummy"
+            and not Path(model).exists() and not _looks_like_hub_id(model)):  # fail before loading anything
+        raise ValueError(f"draft model not found: {model} (a HF model directory, a .gguf file or a hub id)")
+    return parsed
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
 
 
 def engine_config_from_args(**kwargs: Any) -> EngineConfig:
