@@ -30,6 +30,8 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None
     chat_template: str | None = None  # a file or the Jinja template itself, instead of the tokenizer's
+    revision: str | None = None  # a hub id's branch, tag or commit (default: main)
+    download_dir: str | None = None  # the hub cache for a hub id (default: HF_HUB_CACHE)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -175,7 +177,7 @@ class EngineConfig:
 
 # Engine arguments (CLI long flags with underscores) -> where they live in EngineConfig.
 _MODEL_KEYS = {"model", "dtype", "load_format", "max_model_len", "quantization", "quantize_embeddings",
-               "seed", "tokenizer", "chat_template"}
+               "seed", "tokenizer", "chat_template", "revision", "download_dir"}
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                "enable_prefix_caching"}
 _SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens", "async_scheduling"}

@@ -38,6 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None,
                    help="load the tokenizer (and chat template) from this directory instead of the model's")
+    g.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit (default main)")
+    g.add_argument("--download-dir", default=None, help="with a hub id: the cache to download into")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -61,7 +63,7 @@ ENGINE_DESTS = ["dtype", "device", "load_format", "max_model_len", "max_num_seqs
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "enable_prefix_caching", "quantization", "quantize_embeddings", "attention_backend",
                 "enforce_eager", "async_scheduling", "warmup", "seed", "threads", "tokenizer", "chat_template",
-                "enable_chunked_prefill", "speculative_config",
+                "revision", "download_dir", "enable_chunked_prefill", "speculative_config",
                 "draft_model", "num_speculative_tokens", "draft_quantization", "draft_load_format"]
 
 

@@ -20,7 +20,7 @@ from specserve.engine.executor import ModelExecutor
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.scheduler import Scheduler
 from specserve.models.layers.attention import get_attention_backend
-from specserve.models.loader import LoadedModel, load_model, load_tokenizer
+from specserve.models.loader import LoadedModel, hub_snapshot, load_model, load_tokenizer
 from specserve.quant.bnb import cuda_graph_safe
 from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, format_bytes, weight_memory
 from specserve.sample.sampler import RequestGenerators
@@ -128,6 +128,9 @@ def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedMode
     if model_path is None:
         from specserve.models.default_model import ensure_default_model
         model_path = str(ensure_default_model())
+    name = model_path  # what the model is called: a hub id stays an id
+    if mc.load_format != "dummy" and not Path(model_path).exists():  # a hub id (org/name)
+        model_path = hub_snapshot(model_path, revision=mc.revision, cache_dir=mc.download_dir)
     loaded = load_model(model_path, dtype=mc.dtype, device=device, load_format=mc.load_format,
                         max_positions=mc.max_model_len, seed=mc.seed, quantization=mc.quantization,
                         quantize_embeddings=mc.quantize_embeddings)
@@ -152,7 +155,7 @@ def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedMode
         f"incl. scales, unquantized {format_bytes(mem.unquantized)}")
     logger.info("loaded %s (%s, %s of weights%s) in %.1fs", model_path, loaded.dtype, format_bytes(mem.total),
                 quant, time.perf_counter() - t0)
-    return loaded, model_path, mem
+    return loaded, name, mem
 
 
 def _build_proposer(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> Proposer | None:

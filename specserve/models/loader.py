@@ -200,7 +200,7 @@ def _iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
 
 
-def hub_snapshot(model: str) -> str:
+def hub_snapshot(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
     """A model that is not a local path but looks like a hub id (`org/name`): its files from the
     Hugging Face hub (cache first). Offline or not found: a ValueError naming the id and what to do."""
     parts = model.split("/")
@@ -210,7 +210,7 @@ def hub_snapshot(model: str) -> str:
     from huggingface_hub.errors import HFValidationError
 
     try:
-        return snapshot_download(model, allow_patterns=HUB_PATTERNS)
+        return snapshot_download(model, revision=revision, cache_dir=cache_dir, allow_patterns=HUB_PATTERNS)
     except HFValidationError as e:
         raise ValueError(f"model not found: {model} is not a local path nor a valid hub id ({e})") from None
     except Exception as e:  # offline, no network, unknown repo, gated: all end here

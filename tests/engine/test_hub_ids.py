@@ -10,7 +10,7 @@ import sys
 
 CODE = ("from specserve import LLM, SamplingParams\n"
         "try:\n"
-        "    llm = LLM('{model}', dtype='float32', device='cpu', num_kv_blocks=16)\n"
+        "    llm = LLM('{model}', dtype='float32', device='cpu', num_kv_blocks=16{extra})\n"
         "except ValueError as e:\n"
         "    print('ERROR', e)\n"
         "else:\n"
@@ -18,9 +18,9 @@ CODE = ("from specserve import LLM, SamplingParams\n"
         "    print('OK', llm.engine.model_name, out[0].outputs[0].token_ids)\n")
 
 
-def _run(model: str, cache) -> str:
+def _run(model: str, cache, extra: str = "") -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
-    proc = subprocess.run([sys.executable, "-c", CODE.format(model=model)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", CODE.format(model=model, extra=extra)], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().splitlines()[-1]
@@ -33,6 +33,14 @@ def test_hub_id_loads_from_the_hub_cache(tiny_llama_dir, tmp_path):
     (snapshot.parents[1] / "refs" / "main").write_text("0123abc")
     line = _run("tiny-org/tiny-llama", tmp_path)
     assert line.startswith("OK tiny-org/tiny-llama ["), line
+    # --download-dir: another cache; --revision: a ref of the repo
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "models--tiny-org--tiny-llama", other / "models--tiny-org--tiny-llama")
+    (other / "models--tiny-org--tiny-llama" / "refs" / "v1").write_text("0123abc")
+    line = _run("tiny-org/tiny-llama", tmp_path / "empty", extra=f", download_dir='{other}', revision='v1'")
+    assert line.startswith("OK tiny-org/tiny-llama ["), line
+    line = _run("tiny-org/tiny-llama", tmp_path, extra=", revision='no-such-ref'")
+    assert line.startswith("ERROR") and "could not be fetched" in line, line
 
 
 def test_unavailable_hub_id_names_the_id_and_offline_mode(tmp_path):
