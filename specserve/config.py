@@ -139,13 +139,7 @@ class SpecConfig:
     def parse(cls, value: str | dict | SpecConfig | None) -> SpecConfig | None:
         if value is None or isinstance(value, SpecConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object")
+        value = _spec_object(value)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -187,19 +181,26 @@ _SPEC_KEYS = {"speculative_config", "draft_model", "num_speculative_tokens", "dr
 ENGINE_ARG_NAMES = _MODEL_KEYS | _CACHE_KEYS | _SCHED_KEYS | _TOP_KEYS | _SPEC_KEYS
 
 
+def _spec_object(value: Any) -> dict:
+    """`--speculative-config` as a dict: a JSON object's text, or a mapping (YAML, Python)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("speculative_config must be a JSON object")
+    return value
+
+
 def build_spec_config(speculative_config: Any = None, draft_model: str | None = None,
                       num_speculative_tokens: int | None = None, draft_quantization: str | None = None,
                       draft_load_format: str | None = None) -> SpecConfig | None:
     """Merge `--speculative-config` with its shorthands (the shorthands win)."""
     if isinstance(speculative_config, SpecConfig):
         speculative_config = dataclasses.asdict(speculative_config)
-    elif isinstance(speculative_config, str):  # keys as given: a method left out is inferred below
-        try:
-            speculative_config = json.loads(speculative_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(speculative_config, dict):
-            raise ValueError("speculative_config must be a JSON object")
+    elif speculative_config is not None:  # keys as given: a method left out is inferred below
+        speculative_config = _spec_object(speculative_config)
     spec = dict(speculative_config or {})
     if draft_model:
         spec.setdefault("method", "draft_model")
