@@ -40,7 +40,6 @@ from specserve.server.openai_protocol import (
     usage_dict,
 )
 from specserve.server.protocol import format_validation_error
-from specserve.server.security import api_key_matches, bearer_token
 from specserve.server.state import NotReadyError, ServerState
 from specserve.server.streaming import Delta, RequestStream
 from specserve.server.validation import InputError, check_request_size, is_json_content_type, parse_json_object
@@ -61,7 +60,7 @@ def openai_routes() -> list[Route]:
 
 
 def tokenizer_routes() -> list[Route]:
-    """vLLM's /tokenize and /detokenize (outside /v1/, so they check the API key themselves)."""
+    """vLLM's /tokenize and /detokenize (outside /v1/; ApiKeyMiddleware guards them too: KEYED_PATHS)."""
     return [Route("/tokenize", _with_request_id(_tokenizer_endpoint(TokenizeRequest, tokenize)), methods=["POST"]),
             Route("/detokenize", _with_request_id(_tokenizer_endpoint(DetokenizeRequest, detokenize)),
                   methods=["POST"])]
@@ -130,18 +129,6 @@ def _check_model(state: ServerState, name: str | None) -> None:
                           type="not_found_error", code="model_not_found", param="model")
 
 
-def _check_api_key(request: Request, state: ServerState) -> None:
-    """What ApiKeyMiddleware does for /v1/*, for routes outside it."""
-    key = state.settings.api_key
-    if key is None:
-        return
-    token = bearer_token(request.headers.get("authorization"))
-    if not api_key_matches(token, key):
-        raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'" if token is None
-                          else "incorrect API key", type="authentication_error", code="invalid_api_key",
-                          headers={"WWW-Authenticate": "Bearer"})
-
-
 def _model_card(state: ServerState, engine: AsyncEngine) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specserve",
             "root": engine.model_info.model, "max_model_len": engine.model_info.max_model_len}
@@ -169,7 +156,6 @@ def _tokenizer_endpoint(body: type[BaseModel], answer: Callable[..., dict]) -> E
     """/tokenize or /detokenize: `answer(tokenizer, request body, model_info)` as JSON."""
     async def run(request: Request) -> Response:
         try:
-            _check_api_key(request, request.app.state.server)
             state, engine = _ready(request)
             req = await _read_body(request, body, state.settings.max_frame_size)
             _check_model(state, req.model)

@@ -5,8 +5,8 @@
   server answers only Host names it knows: the loopback names and the address it is bound to, plus
   `--allowed-hosts` (`*` = any). Anything else gets 400 before any route runs.
 
-- HTTP: `Authorization: Bearer <key>` on every `/v1/*` route (`/`, `/health`, `/version`, `/metrics`
-  stay open) when the server has an API key.
+- HTTP: `Authorization: Bearer <key>` on every `/v1/*` route and on `/tokenize`, `/detokenize` (`/`,
+  `/health`, `/version`, `/metrics` stay open) when the server has an API key.
 - WebSocket: the same header, or (browsers cannot set headers) a first message
   `{"type": "session.auth", "api_key": ...}`.
 - Origins: browsers send `Origin` on WebSocket handshakes and any page may open a socket to
@@ -126,17 +126,21 @@ class TrustedHostMiddleware:
         await send({"type": f"{prefix}.body", "body": body})
 
 
+# HTTP paths outside /v1/ that need the key too (vLLM leaves these open; they read the model's tokenizer)
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 class ApiKeyMiddleware:
-    """Refuses HTTP requests to /v1/* without the right Bearer key (401, OpenAI error body).
-    WebSocket scopes pass through: the socket endpoint checks the header or the first message."""
+    """Refuses HTTP requests to /v1/* and KEYED_PATHS without the right Bearer key (401, OpenAI error
+    body). WebSocket scopes pass through: the socket endpoint checks the header or the first message."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.api_key is None or scope["type"] != "http" or not scope["path"].startswith("/v1/")
-                or scope["method"] == "OPTIONS"):
+        keyed = scope.get("path", "").startswith("/v1/") or scope.get("path") in KEYED_PATHS
+        if self.api_key is None or scope["type"] != "http" or not keyed or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
