@@ -57,18 +57,16 @@ case "${1:-}" in
       --served-model-name "$M" --load-format dummy --skip-tokenizer-init --dtype bfloat16 --port 8100 \
       --gpu-memory-utilization 0.85 > "$OUT/vllm_serve.log" 2>&1 &
     pid=$!
-    $PY - <<'PY' && $PY bench/serving.py --url http://127.0.0.1:8100 --protocol sse $LOAD \
-        --concurrency 256 --out "$OUT/vllm_serve_sse.json" > "$OUT/vllm_serve_sse.log" 2>&1
-import time, httpx
-for _ in range(400):
+    # ready, or gone (not running and not a zombie the shell has yet to reap): no waiting on a dead server
+    VLLM_PID=$pid $PY -c "import os, sys; from specserve.client import wait_until_ready
+def alive():
     try:
-        if httpx.get("http://127.0.0.1:8100/health", timeout=2).status_code == 200:
-            raise SystemExit(0)
-    except httpx.TransportError:
-        pass
-    time.sleep(1)
-raise SystemExit("vllm serve did not come up")
-PY
+        return open('/proc/%s/stat' % os.environ['VLLM_PID']).read().split(')')[-1].split()[0] != 'Z'
+    except OSError:
+        return False
+sys.exit(0 if wait_until_ready('http://127.0.0.1:8100', 400, alive=alive) else 'vllm serve exited')" \
+      && $PY bench/serving.py --url http://127.0.0.1:8100 --protocol sse $LOAD \
+        --concurrency 256 --out "$OUT/vllm_serve_sse.json" > "$OUT/vllm_serve_sse.log" 2>&1
     kill -INT $pid
     for _ in $(seq 30); do kill -0 $pid 2>/dev/null || break; sleep 1; done
     pkill -9 -f vllm.entrypoints; wait ;;

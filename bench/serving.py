@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from specserve.client import SpecserveError
+from specserve.client import SpecserveError, wait_until_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_load import (  # noqa: E402
@@ -91,17 +91,14 @@ class ServerProcess:
         self.cmd = cmd
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + 600  # a GPU start: model load + warm-up
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"the server did not come up; see {log}")
-            time.sleep(0.5)
+        try:  # a GPU start: model load + warm-up
+            ready = wait_until_ready(f"http://127.0.0.1:{self.port}", 600, alive=lambda: self.proc.poll() is None,
+                                     interval=0.5)
+        except TimeoutError:
+            ready = False
+        if not ready:
+            self.stop()
+            raise SystemExit(f"the server did not come up; see {log}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

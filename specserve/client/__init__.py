@@ -1,6 +1,8 @@
-"""Python client for specserve's WebSocket protocol (`WS /v1/ws`): `AsyncClient`, `Client`."""
+"""Python client for specserve's WebSocket protocol (`WS /v1/ws`): `AsyncClient`, `Client`; and
+`wait_until_ready` (poll /health)."""
 from specserve.client.async_client import AsyncClient, AsyncResponseStream
 from specserve.client.errors import SpecserveError
+from specserve.client.ready import wait_until_ready
 from specserve.client.sync_client import Client, ResponseStream
 from specserve.server.protocol import (
     DoneResponse,
@@ -23,4 +25,5 @@ __all__ = [
     "ResponseStream",
     "SessionCreated",
     "SpecserveError",
+    "wait_until_ready",
 ]

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from specserve.client import wait_until_ready
 from specserve.config import engine_config_from_args
 from specserve.engine.async_engine import AsyncEngine
 from specserve.engine.engine import LLMEngine
@@ -107,17 +108,13 @@ def free_port() -> int:
 
 
 def wait_until_healthy(port: int, proc: subprocess.Popen, output: Callable[[], str],
-                       timeout: float = 120.0) -> None:
+                       timeout: float = 120.0, scheme: str = "http", verify: bool = True) -> None:
     """Poll a `specserve serve` subprocess's /health until it answers 200; if the process exits first,
     fail with what it printed (`output()`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise AssertionError(output())
-        assert time.monotonic() < deadline, "the server did not get ready"
-        time.sleep(0.2)
+    try:
+        ready = wait_until_ready(f"{scheme}://127.0.0.1:{port}", timeout, alive=lambda: proc.poll() is None,
+                                 verify=verify)
+    except TimeoutError:
+        raise AssertionError("the server did not get ready") from None
+    if not ready:
+        raise AssertionError(output())

@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -118,15 +117,7 @@ def test_vllm_style_flags_tls_names_root_path_chat_template(tiny_chat_dir, tmp_p
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"https://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", verify=False, timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.3)
+        wait_until_healthy(port, proc, proc.stdout.read, scheme="https", verify=False)  # a self-signed certificate
         answers = [httpx.post(url + "/v1/chat/completions", verify=False, timeout=60,
                               json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                     "ignore_eos": True})
