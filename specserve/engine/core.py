@@ -32,13 +32,12 @@ class EngineCore:
         """Apply one message; False once told to shut down."""
         engine = self.engine
         if isinstance(msg, AddRequest):
+            self._client[msg.request_id] = msg.client
             try:
                 engine.add_group(engine.make_requests(msg.request_id, {"prompt_token_ids": msg.prompt_token_ids},
                                                       msg.params, owner=msg.owner, arrival_time=msg.arrival_time))
-                self._client[msg.request_id] = msg.client
             except ValueError as e:
                 self._rejected[msg.request_id] = str(e)
-                self._client[msg.request_id] = msg.client
         elif isinstance(msg, Abort):
             for req_id in msg.request_ids:
                 engine.abort(req_id)

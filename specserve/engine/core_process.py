@@ -47,9 +47,7 @@ _input_decoder = msgspec.msgpack.Decoder(CoreInput)
 _output_decoder = msgspec.msgpack.Decoder(StepOutput)
 
 
-def exit_reason(code: int | str | None) -> str:
-    if code == "gone":
-        return "is gone"
+def exit_reason(code: int | None) -> str:
     if code is None:
         return "is not responding"
     if code < 0:
@@ -180,13 +178,12 @@ class CoreClient:
     def _watch(self) -> None:
         if self.owner is not None:
             self.owner.process.join()
-            code = self.owner.process.exitcode
-        else:
+            reason = f"the engine process {exit_reason(self.owner.process.exitcode)}"
+        else:  # not our child: its exit code is its parent's to read
             while _pid_alive(self.pid) and not self._stopping:
                 time.sleep(WATCH_S)
-            code = None if self._stopping else _exit_code_unknown
+            reason = "the engine process is gone"
         if not self._stopping:
-            reason = f"the engine process {exit_reason(code)}"
             logger.error("%s", reason)
             self._on_dead(reason)
 
@@ -203,9 +200,6 @@ class CoreClient:
         with self._send_lock:
             self._in.close(linger=0)
         self._ctx.term()
-
-
-_exit_code_unknown = "gone"
 
 
 def _pid_alive(pid: int) -> bool:

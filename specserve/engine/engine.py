@@ -89,14 +89,16 @@ class LLMEngine:
         vocab = self.loaded.arch.vocab_size
         prompt = lambda k, n: [(k * 7919 + i * 104729 + 1) % vocab for i in range(n)]  # noqa: E731 - distinct
         greedy = lambda m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)  # noqa: E731
+
+        def fitted(wave: list) -> list:  # a small KV pool: fewer prompts (the last one, the longest, stays)
+            while len(wave) > 1 and sum(n + p.max_tokens for n, p in wave) > room:
+                wave.pop(0)
+            return wave
+
         batch = [(max(1, min(16 << (k % 4), longest)), greedy(2 + k % 7)) for k in range(max(1, sc.max_num_seqs - 1))]
         batch.append((min(budget + budget // 2, longest), greedy(4)))
-        while len(batch) > 1 and sum(n + p.max_tokens for n, p in batch) > room:  # a small KV pool: fewer
-            batch.pop(0)
         burst = [(min(128, longest), greedy(4))] * sc.max_num_seqs  # a full batch of users arriving together
-        while len(burst) > 1 and sum(n + p.max_tokens for n, p in burst) > room:
-            burst.pop()
-        waves = [[(min(128, longest), greedy(8))], burst, batch,
+        waves = [[(min(128, longest), greedy(8))], fitted(burst), fitted(batch),
                  [(16, SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=4, seed=0, ignore_eos=True))]]
         logger.info("warming up: %d prompts (%d tokens) through prefill, chunked prefill and decode ...",
                     sum(map(len, waves)), sum(n for w in waves for n, _ in w))
