@@ -11,6 +11,28 @@ MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one of a JSON schema (`json`, a dict or its
+    text), any JSON object (`json_object`), a regular expression, a choice of strings, or an EBNF
+    grammar. The grammar engine and the token masks: specserve/sample/structured.py."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object"
+                             + (f"; got {', '.join(given)}" if given else ""))
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs choice must be a non-empty list of strings")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -31,6 +53,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
