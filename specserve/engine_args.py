@@ -42,9 +42,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--download-dir", default=None, help="with a hub id: the cache to download into")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters for requests that leave them out: auto = the model's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens), vllm = none, or a folder holding a generation_config.json")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs a request may ask for per token (default 20; -1: no limit)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="always on (prefill is chunked into the per-step token budget); "
                         "--no-enable-chunked-prefill is refused")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="shard the model over N devices, one process each (docs/tensor_parallel.md)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model's math (default: torch's, one per core; on a machine "
                         "shared with other work, fewer is often faster)")
@@ -63,8 +71,9 @@ ENGINE_DESTS = ["dtype", "device", "load_format", "max_model_len", "max_num_seqs
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "enable_prefix_caching", "quantization", "quantize_embeddings", "attention_backend",
                 "enforce_eager", "async_scheduling", "warmup", "seed", "threads", "tokenizer", "chat_template",
-                "revision", "download_dir", "enable_chunked_prefill", "speculative_config",
-                "draft_model", "num_speculative_tokens", "draft_quantization", "draft_load_format"]
+                "revision", "download_dir", "generation_config", "max_logprobs", "enable_chunked_prefill", "speculative_config",
+                "draft_model", "num_speculative_tokens", "draft_quantization", "draft_load_format",
+                "tensor_parallel_size"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -20,6 +20,10 @@ class LLM:
         self.engine = LLMEngine(engine_config_from_args(model=model, **engine_args))
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); they also stop when this process exits."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
@@ -37,15 +41,24 @@ class LLM:
         ids = []
         for prompt, p in zip(prompts, params):
             self._counter += 1
-            ids.append(self.engine.add_request(f"offline-{self._counter}", prompt, p or SamplingParams()))
+            ids.append(self.engine.add_request(f"offline-{self._counter}", prompt,
+                                               p or self.get_default_sampling_params()))
         return self._run(ids, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling params: the model's generation config defaults
+        (`generation_config`, as vLLM), else SamplingParams()."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """One conversation (a list of {role, content}) or several; the chat template is applied."""
+             use_tqdm: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}, OpenAI's message shape: assistant `tool_calls`
+        and `tool` results too) or several; the chat template is applied, with `tools` (OpenAI's
+        function tools) when given. Tool calls stay text here: the server parses them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.engine.intake.chat(c) for c in conversations], sampling_params, use_tqdm)
+        return self.generate([self.engine.intake.chat(c, tools) for c in conversations], sampling_params,
+                             use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
@@ -60,6 +73,7 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
                 failed.update(self.engine.take_failures())
+                failed.update(self.engine.take_rejections())  # a grammar that did not compile
         except BaseException:
             for req_id in ids:
                 self.engine.abort(req_id)

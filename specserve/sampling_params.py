@@ -81,7 +81,8 @@ class SamplingParams:
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "min_tokens must not exceed max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20"),
+            # the engine caps it (max_logprobs, engine/intake.py)
+            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
@@ -96,6 +97,10 @@ class SamplingParams:
                 and not isinstance(b, bool) and math.isfinite(b) and -100.0 <= b <= 100.0
                 for t, b in self.logit_bias.items())),
              f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids (non-negative integers) to biases in [-100, 100]"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams"),
+            (self.structured_outputs is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with structured_outputs: the grammar decides where the output ends"),
         ]
         for ok, message in checks:
             if not ok:

@@ -22,6 +22,15 @@ TINY_SHAPES = {
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=300, hidden_size=64,
                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Gemma3-shaped: local (window 8) and global layers, own RoPE bases (linear scaling on the global one),
+    # a query scale other than head_dim, final logit softcapping, GQA 4:2, head_dim 32
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=300, hidden_size=64,
+                   intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0}}),
 }
 
 
@@ -77,6 +86,8 @@ def build_tiny_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+            elif "norm" in name and kind == "gemma3":  # zero-centred norms (1 + w): not all ones
+                p.normal_(0.0, 0.3)
             elif "q_norm" in name or "k_norm" in name:  # per-head norms (Qwen3): not all ones
                 p.normal_(1.0, 0.2)
     model.save_pretrained(str(path), safe_serialization=True)

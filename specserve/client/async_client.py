@@ -224,14 +224,17 @@ class AsyncClient:
                      top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
                      seed: int | None = None, stop: str | Sequence[str] | None = None,
                      ignore_eos: bool | None = None, n: int | None = None, cache_salt: str | None = None,
+                     structured_outputs: dict[str, Any] | None = None,
                      metadata: dict[str, str] | None = None) -> AsyncResponseStream:
         """Start a response; returns its stream once the server has accepted it (raises
-        SpecserveError with the server's code if it refused)."""
+        SpecserveError with the server's code if it refused). `structured_outputs`: one of
+        {"json": schema, "regex": ..., "choice": [...], "grammar": EBNF, "json_object": True}."""
         fields = dict(prompt=list(prompt) if prompt is not None and not isinstance(prompt, str) else prompt,
                       messages=list(messages) if messages is not None else None,
                       max_output_tokens=max_output_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                       min_p=min_p, seed=seed, stop=list(stop) if isinstance(stop, (list, tuple)) else stop,
-                      ignore_eos=ignore_eos, n=n, cache_salt=cache_salt, metadata=metadata)
+                      ignore_eos=ignore_eos, n=n, cache_salt=cache_salt, structured_outputs=structured_outputs,
+                      metadata=metadata)
         event_id = f"evt_{next(self._ids)}"
         future = asyncio.get_running_loop().create_future()
         self._pending[event_id] = future

@@ -136,7 +136,7 @@ class AsyncEngine:
             self.warmup_seconds = self._core.warmup_seconds
             self.outputs = OutputProcessor(self.tokenizer)
         info = self.model_info
-        self.intake = Intake(self.tokenizer, info.vocab_size, info.max_model_len)
+        self.intake = Intake(self.tokenizer, info.vocab_size, info.max_model_len, info.max_logprobs)
 
     @property
     def dead(self) -> str | None:

@@ -11,6 +11,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from specserve.quant.bnb import cuda_graph_safe
 from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, format_bytes, weight_memory
 from specserve.sample.sampler import RequestGenerators
 from specserve.spec_decode.proposer import Proposer, ProposerBinding
+
+if TYPE_CHECKING:
+    from specserve.distributed.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +72,20 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     config = with_device_defaults(config, device)
+    model_name, model_path = _model_path(config)
+    workers = _start_workers(config, model_path, device)  # None without tensor parallelism
+    try:
+        return _build_parts(config, device, model_name, model_path, workers)
+    except BaseException:
+        if workers is not None:
+            workers.stop()
+        raise
+
+
+def _build_parts(config: EngineConfig, device: torch.device, model_name: str, model_path: str,
+                 workers: WorkerGroup | None) -> EngineParts:
     mc, cc, sc = config.model, config.cache, config.scheduler
-    loaded, model_name, target_memory = _load_target(config, device)
+    loaded, target_memory = _load_target(config, device, model_path, workers)
     proposer = _build_proposer(config, loaded, device)
     draft = proposer.draft_model if proposer is not None else None
     weight_bytes = weight_memory(loaded.model, draft).total if draft is not None else target_memory.total
@@ -91,6 +107,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     backend = get_attention_backend(config.attention_backend, device)
     executors = [ModelExecutor(m, backend, device, loaded.dtype, cc.block_size, num_blocks)
                  for m in (loaded.model, draft) if m is not None]
+    if workers is not None:  # the target's calls are mirrored on the workers; a draft runs here only
+        from specserve.distributed.executor import ParallelExecutor
+        executors[0] = ParallelExecutor(loaded.model, backend, device, loaded.dtype, cc.block_size, num_blocks,
+                                        workers)
     generators = RequestGenerators(device)
     rejection = None
     if proposer is not None:
@@ -121,19 +141,51 @@ def with_device_defaults(config: EngineConfig, device: torch.device) -> EngineCo
     return dataclasses.replace(config, scheduler=dataclasses.replace(sc, max_num_batched_tokens=tokens))
 
 
-def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedModel, str, WeightMemory]:
+def _model_path(config: EngineConfig) -> tuple[str, str]:
+    """(what the model is called: a hub id stays an id, where its files are)."""
     mc = config.model
-    t0 = time.perf_counter()
     model_path = mc.model
     if model_path is None:
         from specserve.models.default_model import ensure_default_model
         model_path = str(ensure_default_model())
-    name = model_path  # what the model is called: a hub id stays an id
+    name = model_path
     if mc.load_format != "dummy" and not Path(model_path).exists():  # a hub id (org/name)
         model_path = hub_snapshot(model_path, revision=mc.revision, cache_dir=mc.download_dir)
+    return name, model_path
+
+
+def _start_workers(config: EngineConfig, model_path: str, device: torch.device) -> WorkerGroup | None:
+    """Tensor parallelism: check that the model splits, then start ranks 1..N-1 (they load their
+    shards while rank 0 loads its own)."""
+    size = config.parallel.tensor_parallel_size
+    if size == 1:
+        return None
+    from specserve.distributed.sharding import check_tensor_parallel
+    from specserve.distributed.state import rank_device
+    from specserve.distributed.workers import WorkerGroup
+    from specserve.models.loader import dummy_config_path
+    from specserve.models.registry import load_arch_config
+
+    config_file = dummy_config_path(model_path) if config.model.load_format == "dummy" \
+        else Path(model_path) / "config.json"
+    if config_file.is_file():  # else the loader says what is wrong with the path
+        check_tensor_parallel(load_arch_config(config_file), size)
+    rank_device(device, size - 1)  # enough GPUs
+    return WorkerGroup(config, model_path, device)
+
+
+def _load_target(config: EngineConfig, device: torch.device, model_path: str, workers: WorkerGroup | None
+                 ) -> tuple[LoadedModel, WeightMemory]:
+    mc = config.model
+    t0 = time.perf_counter()
+    tp = (0, workers.size) if workers is not None else None
     loaded = load_model(model_path, dtype=mc.dtype, device=device, load_format=mc.load_format,
                         max_positions=mc.max_model_len, seed=mc.seed, quantization=mc.quantization,
-                        quantize_embeddings=mc.quantize_embeddings)
+                        quantize_embeddings=mc.quantize_embeddings, tensor_parallel=tp)
+    if workers is not None:
+        from specserve.distributed.layers import parallelize
+        workers.wait_ready()
+        parallelize(loaded.model, workers.group, loaded.arch.vocab_size)
     if mc.tokenizer is not None:  # a tokenizer from elsewhere (a dummy-weights model, a fixed template)
         tokenizer = load_tokenizer(mc.tokenizer)
         if tokenizer is None:
@@ -153,9 +205,10 @@ def _load_target(config: EngineConfig, device: torch.device) -> tuple[LoadedMode
     quant = "" if not loaded.quantization else (
         f"; {loaded.quantization}: {mem.num_quantized_layers} quantized layers {format_bytes(mem.quantized)} "
         f"incl. scales, unquantized {format_bytes(mem.unquantized)}")
-    logger.info("loaded %s (%s, %s of weights%s) in %.1fs", model_path, loaded.dtype, format_bytes(mem.total),
-                quant, time.perf_counter() - t0)
-    return loaded, name, mem
+    shard = f" per rank, tensor parallel over {workers.size} ranks" if workers is not None else ""
+    logger.info("loaded %s (%s, %s of weights%s%s) in %.1fs", model_path, loaded.dtype, format_bytes(mem.total),
+                shard, quant, time.perf_counter() - t0)
+    return loaded, mem
 
 
 def _build_proposer(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> Proposer | None:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from specserve.engine.engine import LLMEngine
+from specserve.engine.executor import ExecutorDeadError
 from specserve.engine.messages import Abort, AddRequest, CoreInput, Shutdown, StepOutput, StopSample
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ class EngineCore:
         if isinstance(msg, AddRequest):
             self._client[msg.request_id] = msg.client
             try:
+                # the front end's intake checked the params (engine/async_engine.py)
                 engine.add_group(engine.make_requests(msg.request_id, {"prompt_token_ids": msg.prompt_token_ids},
-                                                      msg.params, owner=msg.owner, arrival_time=msg.arrival_time))
+                                                      msg.params, owner=msg.owner, arrival_time=msg.arrival_time,
+                                                      checked=True))
             except ValueError as e:
                 self._rejected[msg.request_id] = str(e)
         elif isinstance(msg, Abort):
@@ -63,6 +66,8 @@ class EngineCore:
         if engine.has_unfinished():
             try:
                 updates = engine.step_updates()  # a step that raises is isolated inside: isolation.py
+            except ExecutorDeadError:  # no step can run any more: the core stops (its front ends see why)
+                raise
             except Exception as e:  # noqa: BLE001 - the isolation itself broke: fail all, keep serving
                 logger.exception("engine step failed")
                 for req_id in list(engine.groups):
@@ -78,6 +83,7 @@ class EngineCore:
             out_for(req_id).failed[req_id] = why
             self._client.pop(req_id, None)
         rejected, self._rejected = self._rejected, {}
+        rejected.update(engine.take_rejections())  # grammars that did not compile
         for req_id, why in rejected.items():
             out_for(req_id).rejected[req_id] = why
             self._client.pop(req_id, None)

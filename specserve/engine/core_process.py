@@ -279,6 +279,7 @@ def run_core(config: EngineConfig, input_addr: str, output_addrs: list[str], con
         leaked = engine.kv_manager.pool.num_used_blocks
         if leaked:
             logger.error("the engine core stops with %d KV blocks still held", leaked)
+        engine.shutdown()
         for sock in outs:
             sock.close()
         inbox.close(linger=0)

@@ -42,6 +42,10 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self._pad_offsets = torch.arange(1, max_batch + 1, dtype=torch.int32, device=device)
+        # a model's further per-token inputs (an EAGLE head's hidden states): name -> width
+        dtype = next(model.parameters()).dtype
+        self.inputs = {name: torch.zeros(max_tokens, width, dtype=dtype, device=device)
+                       for name, width in getattr(model, "graph_inputs", {}).items()}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -61,11 +65,12 @@ class DecodeGraphs:
             meta = self._meta(batch, q)
             n = batch * q
             args = (self.input_ids[:n], self.positions[:n], self.kv_caches, meta)
-            self.model(*args)  # warm-up: compile kernels, settle allocations
+            inputs = {name: buf[:n] for name, buf in self.inputs.items()}
+            self.model(*args, **inputs)  # warm-up: compile kernels, settle allocations
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[(batch, q)] = self.model(*args)
+                self.outputs[(batch, q)] = self.model(*args, **inputs)
             pool = graph.pool()
             self.graphs[(batch, q)] = graph
         torch.cuda.synchronize()
@@ -75,7 +80,8 @@ class DecodeGraphs:
     def can_run(self, meta: AttentionMetadata) -> bool:
         return meta.max_query_len <= self.query_lens[-1] and meta.num_reqs <= self.sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            **inputs: torch.Tensor) -> torch.Tensor:
         """Replay the smallest captured graph that holds the step; returns hidden [num_tokens, H]."""
         n, num_tokens = meta.num_reqs, meta.num_tokens
         batch = next(s for s in self.sizes if s >= n)
@@ -83,6 +89,8 @@ class DecodeGraphs:
         width = meta.block_tables.shape[1]
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(positions)
+        for name, value in inputs.items():
+            self.inputs[name][:num_tokens].copy_(value)
         self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
         self.slot_mapping[num_tokens:batch * q].fill_(PAD_SLOT_ID)
         self.query_start_loc[:n + 1].copy_(meta.query_start_loc)

@@ -9,16 +9,20 @@ import dataclasses
 import logging
 import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
 from specserve.engine.build import build_engine
+from specserve.engine.executor import ExecutorDeadError
+from specserve.engine.generation_config import sampling_defaults
 from specserve.engine.intake import Intake, Prompt
 from specserve.engine.isolation import StepIsolation
 from specserve.engine.messages import ModelInfo, RequestUpdate, SampleUpdate, sample_id
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestMetrics, RequestOutput
 from specserve.engine.request import Request, RequestStatus
+from specserve.sample.structured import GrammarCompiler, RequestGrammar
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.metrics import SpecDecodingStats
 
@@ -26,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict | Prompt
 __all__ = ["LLMEngine", "ModelInfo", "PromptType"]
+COMPILE_WAIT_S = 0.02  # with only requests whose grammar compiles, a step waits this long for one
 
 
 @dataclass
@@ -57,7 +62,14 @@ class LLMEngine:
         spec = parts.config.spec
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self.eos_token_ids = frozenset(parts.loaded.eos_token_ids)
-        self.intake = Intake(self.tokenizer, parts.loaded.arch.vocab_size, self.max_model_len)
+        self.intake = Intake(self.tokenizer, parts.loaded.arch.vocab_size, self.max_model_len,
+                             parts.config.model.max_logprobs)
+        self.sampling_defaults = sampling_defaults(parts.config.model.generation_config, parts.loaded.path)
+        # structured outputs: grammars compile in a worker thread; their requests wait here meanwhile
+        self.grammars = None if self.tokenizer is None else GrammarCompiler(
+            self.tokenizer, parts.loaded.arch.vocab_size, self.eos_token_ids)
+        self._compiling: dict[str, tuple[_Group, Future]] = {}
+        self._rejected: dict[str, str] = {}  # request id -> why: its grammar did not compile
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
         async_scheduling = parts.config.scheduler.async_scheduling
@@ -125,11 +137,16 @@ class LLMEngine:
             for req_id in list(self.groups):
                 self.abort(req_id)
 
+    def shutdown(self) -> None:
+        """Stop what the engine started besides itself (tensor-parallel workers); idempotent."""
+        self.runner.target.shutdown()
+
     def model_info(self) -> ModelInfo:
         spec = self.config.spec
         speculative = None if spec is None else {"method": spec.method, "draft_model": spec.model,
                                                  "num_speculative_tokens": spec.num_speculative_tokens}
-        return ModelInfo(self.model_name, self.max_model_len, self.loaded.arch.vocab_size, speculative)
+        return ModelInfo(self.model_name, self.max_model_len, self.loaded.arch.vocab_size, speculative,
+                         self.intake.max_logprobs, dict(self.sampling_defaults))
 
     @property
     def proposer(self):
@@ -138,13 +155,16 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def make_requests(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                      owner: str | None = None, arrival_time: float | None = None) -> _Group:
+                      owner: str | None = None, arrival_time: float | None = None,
+                      checked: bool = False) -> _Group:
         """Tokenize and validate through `intake` (thread-safe, touches no engine state; a `Prompt`
-        from intake is taken as it is). `owner`: see Scheduler."""
+        from intake is taken as it is; `checked`: a front end's intake already checked `params`).
+        `owner`: see Scheduler."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         validated = self.intake.prompt(prompt)
-        self.intake.check_params(params)
+        if not checked:
+            self.intake.check_params(params)
         times = {} if arrival_time is None else {"arrival_time": arrival_time}
         children = []
         for i in range(params.n):
@@ -163,11 +183,45 @@ class LLMEngine:
             raise ValueError(f"request id {group.request_id!r} is already in use")
 
     def add_group(self, group: _Group) -> None:
+        """Start the group. One with structured outputs is scheduled once its grammar has compiled
+        (in a worker thread; the step loop goes on meanwhile); if it does not compile, the request
+        is refused: `take_rejections()`."""
         self._check_new_ids(group)
+        constraint = group.params.structured_outputs
+        if constraint is not None and self.grammars is None:
+            raise ValueError("structured outputs need the model's tokenizer; this model has none")
         self.groups[group.request_id] = group
         for child in group.children:
             self._child_to_group[child.request_id] = group
-        self.scheduler.add_request(group.children[0])  # the others fork from it (make_requests)
+        if constraint is not None:
+            self._compiling[group.request_id] = (group, self.grammars.submit(constraint))
+        else:
+            self.scheduler.add_request(group.children[0])  # the others fork from it (make_requests)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled join the scheduler; one whose grammar failed is refused.
+        With nothing else to run, wait a moment for a compilation rather than spin."""
+        if not self.scheduler.has_unfinished() and self._inflight is None:
+            wait([f for _, f in self._compiling.values()], timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+        for req_id, (group, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[req_id]
+            try:
+                compiled = future.result()
+            except Exception as e:  # noqa: BLE001 - this request's constraint; the others go on
+                self._rejected[req_id] = str(e)
+                self.outputs.remove(req_id)
+                self._retire(group)
+                continue
+            for child in group.children:
+                child.grammar = RequestGrammar(compiled)
+            self.scheduler.add_request(group.children[0])
+
+    def take_rejections(self) -> dict[str, str]:
+        """Requests (by id) refused after they were added (their grammar did not compile), and why; each once."""
+        rejected, self._rejected = self._rejected, {}
+        return rejected
 
     def fork_request(self, source_id: str, request_id: str | None = None,
                      params: SamplingParams | None = None, num_tokens: int | None = None) -> str:
@@ -196,9 +250,15 @@ class LLMEngine:
         group = self.make_requests(request_id, {"prompt_token_ids": ids}, params)
         group.prompt = Prompt(text, group.prompt.token_ids)
         self._check_new_ids(group)
+        compiled = None
+        if params.structured_outputs is not None:  # compiled here: this call is between steps anyway
+            if self.grammars is None:
+                raise ValueError("structured outputs need the model's tokenizer; this model has none")
+            compiled = self.grammars.compile(params.structured_outputs)
         for child in group.children:
             child.forks = []
             child.prompt = text
+            child.grammar = RequestGrammar(compiled) if compiled is not None else None
             self.scheduler.fork_request(source, child, num_tokens, num_tokens - 1)
             self._child_to_group[child.request_id] = group
         self.groups[group.request_id] = group
@@ -215,6 +275,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         self.outputs.remove(request_id)
+        self._compiling.pop(request_id, None)
         group = self.groups.get(request_id)
         if group is None:
             return
@@ -274,6 +335,8 @@ class LLMEngine:
         self._stepping = None
         try:
             self._step()
+        except ExecutorDeadError:  # the engine's own fault (a tensor-parallel worker died): no culprit to find
+            raise
         except Exception as e:  # noqa: BLE001 - one request's fault must not end the others
             self.isolation.step_failed(e, self._stepping)
             return []
@@ -290,6 +353,8 @@ class LLMEngine:
         return failures
 
     def _step(self) -> None:
+        if self._compiling:
+            self._admit_compiled()
         sched = self.scheduler.schedule()
         # what the isolation needs if this step fails: this step and the one still in flight
         self._stepping = (sched, self._inflight.sched if self._inflight is not None else None)
@@ -310,7 +375,8 @@ class LLMEngine:
         sampled)? Only if nothing needs them on the host first: no drafts to verify, a proposer (if
         any) that would propose nothing after this step whatever it samples (`idle`: adaptive k
         finds no draft worth it at this batch size), and no request that forks, wants logprobs, or
-        whose next sample reads the token history (penalties; the eos ban until min_tokens)."""
+        whose next sample reads the token history (penalties; the eos ban until min_tokens; a grammar,
+        whose matcher must see the token before it masks the next)."""
         proposer = self.proposer
         if proposer is not None and (any(s.spec_token_ids for s in sched.scheduled)
                                      or not proposer.idle(sched)):
@@ -318,7 +384,7 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.sample:
                 r, p = s.request, s.request.sampling_params
-                if (r.forks or p.logprobs is not None or p.has_penalties
+                if (r.forks or p.logprobs is not None or p.has_penalties or r.grammar is not None
                         or p.stop_tokens_banned(r.num_output_tokens + r.num_pending)):
                     return False
         return True
@@ -378,7 +444,7 @@ class LLMEngine:
         ps = self.kv_manager.prefix_stats
         return {
             "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
+            "num_requests_waiting": self.scheduler.num_waiting + len(self._compiling),  # + grammar compiling
             "num_blocks": pool.num_blocks,
             "num_used_blocks": pool.num_used_blocks,
             "kv_cache_usage_perc": pool.usage(),

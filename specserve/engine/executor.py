@@ -16,6 +16,11 @@ from specserve.models.layers.attention import AttentionBackend, AttentionMetadat
 from specserve.models.llama import LlamaForCausalLM
 
 
+class ExecutorDeadError(RuntimeError):
+    """The executor can run no more steps (a tensor-parallel worker died or hung): the engine's fault,
+    not a request's, so step isolation does not search for a culprit and the engine stops."""
+
+
 class ModelExecutor:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
                  dtype: torch.dtype, block_size: int, num_blocks: int) -> None:
@@ -43,24 +48,34 @@ class ModelExecutor:
                                    max_num_seqs, query_lens)
         self.graphs.capture()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                **inputs: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]. `inputs`:
+        a model's further per-token inputs (an EAGLE head's hidden_states: its `graph_inputs`)."""
         if self.graphs is not None and self.graphs.can_run(meta):
-            return self.graphs.run(input_ids, positions, meta)
+            return self.graphs.run(input_ids, positions, meta, **inputs)
         self.backend.prepare(meta)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, **inputs)
 
     def forward_tokens(self, input_ids: list[int] | torch.Tensor, query_lens: list[int], seq_lens: list[int],
-                       tables: list[list[int]]) -> torch.Tensor:
+                       tables: list[list[int]], **inputs: torch.Tensor) -> torch.Tensor:
         """A ragged batch given as lists: request i computes the last query_lens[i] of its seq_lens[i]
         tokens (KV in blocks tables[i]); input_ids: list or [T] tensor -> hidden [T, hidden_size]."""
         positions, meta, _ = batch_metadata(query_lens, seq_lens, tables, self.block_size, self.device,
                                             staging=self.staging)
         ids = input_ids if isinstance(input_ids, torch.Tensor) else \
             torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        return self.forward(ids, positions, meta)
+        return self.forward(ids, positions, meta, **inputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> fp32 logits [N, vocab]."""
         return self.model.compute_logits(hidden)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst in every layer (all reads before writes)."""
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def shutdown(self) -> None:
+        """Release what outlives a step (a tensor-parallel executor stops its workers)."""

@@ -76,3 +76,6 @@ class ModelInfo(msgspec.Struct, frozen=True):
     max_model_len: int
     vocab_size: int
     speculative: dict | None  # {method, num_speculative_tokens, draft_model}, None without speculation
+    max_logprobs: int = 20  # the most logprobs per token a request may ask for
+    # SamplingParams fields -> defaults for requests that leave them out (engine/generation_config.py)
+    sampling_defaults: dict = {}

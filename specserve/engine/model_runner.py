@@ -68,10 +68,8 @@ class ModelRunner:
         """Copy-on-write: copy whole KV blocks src -> dst in every layer (all reads before writes)."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
         for ex in self.executors:
-            ex.kv_cache[:, :, dst] = ex.kv_cache[:, :, src]
+            ex.copy_blocks(copies)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None, defer: bool = False
@@ -93,9 +91,9 @@ class ModelRunner:
                                    prev_tokens=prev.pending if prev is not None else None)
         hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.meta)
         if defer and inputs.logits_rows:
-            if self.proposer is not None:  # idle this step: it only keeps its books
-                self.proposer.skip(sched)
             step.pending = self._sample_deferred(inputs, hidden)
+            if self.proposer is not None:  # idle this step: it only keeps its books (or its KV)
+                self.proposer.skip(sched, hidden, step.pending)
             return step
         if inputs.logits_rows:
             self._sample(inputs, hidden, out)
@@ -117,7 +115,7 @@ class ModelRunner:
     def _sample_deferred(self, inputs: StepInputs, hidden: torch.Tensor) -> PendingTokens:
         """Sample every row (one per request, no logprobs) on the device; start the copy to the host."""
         rows = [s.request for s, _, _ in inputs.logits_rows]
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.target.compute_logits(hidden[inputs.logits_indices])
         tokens = self.sampler.sample(logits, [self._sampling_row(req) for req in rows])
         row_of = {req.request_id: i for i, req in enumerate(rows)}
         if self.device.type != "cuda":
@@ -126,7 +124,7 @@ class ModelRunner:
         return PendingTokens(tokens, row_of, host, self.token_staging.last_event)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V] fp32
+        logits = self.target.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V] fp32
         # a request about to fork (SamplingParams.n > 1) samples each child's first token from its
         # own logits row, with the child's own generator
         plain = [(req, row) for s, row, count in inputs.logits_rows if not s.spec_token_ids
@@ -149,4 +147,4 @@ class ModelRunner:
         return SamplingRow(params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                            output_token_ids=req.output_token_ids,
                            generator=self.generators.get(req.request_id, req.sampling_params.seed),
-                           eos_token_ids=req.eos_token_ids)
+                           eos_token_ids=req.eos_token_ids, grammar=req.grammar)

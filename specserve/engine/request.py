@@ -4,8 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.sample.structured import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +63,9 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     # SamplingParams.n > 1: the other children, forked from this one when its first token is sampled
     forks: list[Request] = field(default_factory=list)
+    # structured outputs: this sample's grammar matcher, set before the request is first scheduled;
+    # the scheduler advances it with every output token it appends, and its end ends the request
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -332,6 +332,8 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Finish the request if its newest token (`token_id`, appended) ends it."""
         stop = request.stop_for(token_id, request.num_output_tokens)
+        if stop is None and request.grammar is not None and request.grammar.accept(token_id):
+            stop = RequestStatus.FINISHED_STOPPED, None  # its grammar has ended (structured outputs)
         if stop is None and request.length_reached(self.config.max_model_len):
             stop = RequestStatus.FINISHED_LENGTH, None
         if stop is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specserve.models.llama import LlamaForCausalLM
-from specserve.models.registry import ArchConfig, load_arch_config, parse_arch_config
+from specserve.models.registry import ArchConfig, load_arch_config, model_class, parse_arch_config
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +74,19 @@ def dummy_config_path(model: str) -> Path:
 
 def load_model(model: str, *, dtype: str = "auto", device: torch.device, load_format: str = "auto",
                max_positions: int | None = None, seed: int = 0, quantization: str | None = None,
-               quantize_embeddings: bool = False) -> LoadedModel:
+               quantize_embeddings: bool = False, tensor_parallel: tuple[int, int] | None = None) -> LoadedModel:
     """`quantization` (bitsandbytes-int8 / -nf4): the model is built and filled on the CPU and each
-    layer quantized onto `device` (specserve.quant); a pre-quantized checkpoint sets it itself."""
+    layer quantized onto `device` (specserve.quant); a pre-quantized checkpoint sets it itself.
+    `tensor_parallel` (rank, size): build and fill only that rank's shard (specserve/distributed);
+    `LoadedModel.arch` stays the whole model's, `model.cfg` is the shard's."""
     quant = {"quantization": quantization, "quantize_embeddings": quantize_embeddings}
     if load_format == "dummy":
         arch = load_arch_config(dummy_config_path(model))
         weights, tok_dir = None, Path(model) if Path(model).is_dir() else None
     else:
         path = Path(model)
+        if tensor_parallel and path.exists() and (path.suffix == ".gguf" or not (path / "config.json").exists()):
+            raise ValueError(f"{model}: tensor parallelism loads HF safetensors directories, not GGUF files")
         if path.is_file() and path.suffix == ".gguf":
             return _load_gguf(path, dtype=dtype, device=device, max_positions=max_positions, **quant)
         if not path.exists():
@@ -99,9 +103,15 @@ def load_model(model: str, *, dtype: str = "auto", device: torch.device, load_fo
         from specserve.quant.checkpoint import checkpoint_quantization
         quantization = quant["quantization"] = checkpoint_quantization(arch.raw, quantization, str(model))
         quant["double_quant"] = not prequantized  # fp32 block scales reproduce the stored nf4 exactly
+    if tensor_parallel and quantization:
+        raise ValueError(f"{model}: {quantization} weights are not sharded; use tensor_parallel_size 1")
     torch_dtype = resolve_dtype(dtype, arch, device)
     build_on = _build_device(device, torch_dtype, model, dummy=weights is None, **quant)
-    net = _build(arch, torch_dtype, build_on, max_positions, seed)
+    if tensor_parallel:
+        from specserve.distributed.sharding import shard_arch
+        net = _build(shard_arch(arch, tensor_parallel[1]), torch_dtype, build_on, max_positions, seed)
+    else:
+        net = _build(arch, torch_dtype, build_on, max_positions, seed)
     if weights is None:
         _init_dummy(net, seed)
     else:
@@ -109,6 +119,9 @@ def load_model(model: str, *, dtype: str = "auto", device: torch.device, load_fo
         if prequantized:
             from specserve.quant.checkpoint import dequantize_bnb_tensors
             tensors = dequantize_bnb_tensors(tensors)
+        if tensor_parallel:
+            from specserve.distributed.sharding import shard_weights
+            tensors = shard_weights(tensors, arch, *tensor_parallel)
         net.load_weights(tensors)
     tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
     eos = _eos_ids(arch, tok_dir, tokenizer)
@@ -145,7 +158,7 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, max_posit
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return LlamaForCausalLM(arch, max_positions or arch.max_position_embeddings)
+            return model_class(arch)(arch, max_positions or arch.max_position_embeddings)
     finally:
         torch.set_default_dtype(old)
 

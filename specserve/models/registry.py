@@ -1,6 +1,7 @@
 """Model architectures we implement, and the shape/config record parsed from a HF config.json."""
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
+}
+# architectures whose model is not our Llama-family one: name -> "module:class" (imported on use)
+MODEL_CLASSES = {
+    "Gemma3ForCausalLM": "specserve.models.gemma3:Gemma3ForCausalLM",
 }
 
 
@@ -31,7 +37,12 @@ class ArchConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     torch_dtype: str | None
-    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    # Gemma 3: interleaved local (sliding-window) and global layers, each kind with its own RoPE
+    layer_windows: list[int | None] = field(default_factory=list)  # per layer, None = full; [] = all full
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers (never scaled)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -40,11 +51,19 @@ class ArchConfig:
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_layer = qkv + self.num_heads * self.head_dim * h + 3 * h * i + 2 * h + 2 * self.head_dim * self.qk_norm
+        norms = 4 * h if self.architecture == "Gemma3ForCausalLM" else 2 * h  # Gemma: pre and post norms
+        per_layer = qkv + self.num_heads * self.head_dim * h + 3 * h * i + norms + 2 * self.head_dim * self.qk_norm
         return self.num_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def model_class(arch: ArchConfig) -> type:
+    """Our module for `arch`: the Llama-family model unless MODEL_CLASSES names another (imported here,
+    lazily: the model modules import this one)."""
+    module, _, name = MODEL_CLASSES.get(arch.architecture, "specserve.models.llama:LlamaForCausalLM").partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _as_list(value: Any) -> list[int]:
@@ -69,6 +88,9 @@ def parse_arch_config(raw: dict[str, Any], source: str = "config.json") -> ArchC
         rope = raw.get("rope_parameters") or {}
         rope_theta = float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
         rope_scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        gemma = _gemma3_fields(raw, int(raw["num_hidden_layers"]), source) if arch == "Gemma3ForCausalLM" else {}
+        if gemma:
+            rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if kind not in ("default", "linear", "llama3"):
@@ -96,13 +118,49 @@ def parse_arch_config(raw: dict[str, Any], source: str = "config.json") -> ArchC
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=_as_list(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             raw=raw,
+            **gemma,
         )
     except KeyError as e:
         raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+
+
+def _gemma3_fields(raw: dict[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+    """Gemma 3's own fields, from a config.json of either generation: transformers 5 writes
+    `layer_types` and per-layer-type `rope_parameters`; older files have `sliding_window_pattern`,
+    `rope_theta`, `rope_local_base_freq` and a `rope_scaling` that applies to the global layers only.
+    Missing fields take transformers' Gemma3TextConfig defaults."""
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"{source}: attention logit softcapping is not supported (Gemma 3 does not use it)")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: bidirectional attention (an embedding model) is not supported")
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{source}: activation {activation!r} is not supported (Gemma 3 uses gelu_pytorch_tanh)")
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{source}: layer_types must name sliding_attention or full_attention for each of "
+                         f"the {num_layers} layers, got {layer_types!r}")
+    window = int(raw.get("sliding_window") or 4096)
+    rope = raw.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {}
+    local = rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: RoPE scaling of the sliding-window layers is not supported")
+    return dict(
+        rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        rope_scaling=raw.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None),
+        layer_windows=[window if t == "sliding_attention" else None for t in layer_types],
+        local_rope_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+    )
 
 
 def load_arch_config(path: str | Path) -> ArchConfig:

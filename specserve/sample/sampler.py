@@ -3,7 +3,9 @@
 Greedy rows take the argmax of the (penalized) logits. Logprobs are those of the model's raw
 distribution (log_softmax of the logits before any processing), as vLLM reports them.
 The processed distribution (`probs_for`) is shared with the rejection sampler, so target and draft
-probabilities are shaped by the same rules.
+probabilities are shaped by the same rules. Rows with a grammar (structured outputs) get its token
+mask after the penalties (structured.py): a token the grammar refuses has logit -inf, so neither
+the argmax nor a draw can pick it.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.sample.structured import GrammarMasks, RequestGrammar
 from specserve.sampling_params import SamplingParams
 
 
@@ -48,6 +51,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None
     eos_token_ids: frozenset[int] = frozenset()
+    grammar: RequestGrammar | None = None  # structured outputs: the sample's matcher
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -149,6 +153,9 @@ def top_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, num: Sequenc
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self.masks = GrammarMasks()
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [N, V] fp32 (one row per request to sample) -> token ids, logprob dicts."""
@@ -163,6 +170,12 @@ class Sampler:
         params = [r.params for r in rows]
         if any(p.adjusts_logits for p in params):
             processed = apply_penalties(processed, rows)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            bitmask = self.masks.buffer(len(rows), processed.shape[1])
+            for i in constrained:
+                rows[i].grammar.fill(bitmask, i)
+            self.masks.apply(processed, bitmask, constrained)
         if all(p.greedy for p in params):
             tokens = processed.argmax(dim=-1)
         else:

@@ -89,6 +89,8 @@ def build_app(engine_factory: EngineFactory, settings: ServerSettings | None = N
     fails (the CLI stops the server) / succeeds.
     """
     settings = settings or ServerSettings()
+    if settings.enable_log_requests:  # the request lines are INFO records, whatever --log-level says
+        logging.getLogger("specserve.server.streaming").setLevel(logging.INFO)
     state = ServerState(settings, model_name, engine_factory, on_load_error, on_ready)
 
     @asynccontextmanager

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.engine_args import add_engine_args, engine_kwargs
+from specserve.server.tool_parsers import PARSERS
 from specserve.utils import parse_size
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (default: --log-level); info logs every request")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let tool_choice "auto" (the default with tools) parse tool calls out of the text, '
+                        "with --tool-call-parser")
+    g.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="the format the model writes tool calls in: hermes (<tool_call> tags: Hermes, Qwen2.5, "
+                        "templates without tools) or llama3_json (Llama 3.1/3.2 JSON calls)")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log one line per finished request: id, prompt / output tokens, finish reason, "
+                        "time to first token, duration (default off, as vLLM)")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM's older name: requests are not logged (the default)")
     g.add_argument("--api-server-count", type=int, default=None,
                    help="server processes in front of the one engine core process (default: 2 when the "
                         "engine runs on a GPU and the host has 8+ cores, where one event loop cannot keep "
@@ -168,6 +180,12 @@ def _list(value: str | None) -> list[str] | None:
     return [v.strip() for v in text.split(",") if v.strip()] or None
 
 
+def _log_requests(args: argparse.Namespace) -> bool:
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other")
+    return bool(args.enable_log_requests)
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -203,7 +221,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               max_frame_size=args.max_frame_size, served_model_name=names[0] if names else None,
                               extra_model_names=model_aliases(args.model) + names[1:], root_path=args.root_path,
                               ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                              uvicorn_log_level=args.uvicorn_log_level)
+                              uvicorn_log_level=args.uvicorn_log_level,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              tool_call_parser=args.tool_call_parser,
+                              enable_log_requests=_log_requests(args))
     config = engine_config_from_args(model=args.model, **engine_kwargs(args))  # bad flags fail here, early
     name = served_name_for(args.model, names[0] if names else None)
     if not _is_loopback(settings.host) and settings.api_key is None:

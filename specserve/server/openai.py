@@ -42,6 +42,7 @@ from specserve.server.openai_protocol import (
 from specserve.server.protocol import format_validation_error
 from specserve.server.state import NotReadyError, ServerState
 from specserve.server.streaming import Delta, RequestStream
+from specserve.server.tool_calls import ToolCallStream, ToolPlan
 from specserve.server.validation import InputError, check_request_size, is_json_content_type, parse_json_object
 
 logger = logging.getLogger(__name__)
@@ -186,21 +187,35 @@ async def chat_completions(request: Request) -> Response:
         state, engine = _ready(request)
         req = await _read_body(request, ChatCompletionRequest, state.settings.max_frame_size)
         _check_model(state, req.model)
+        tools = _tool_plan(state, req)
         params = _checked_params(engine, req)
         _check_size(state, 1, params.n)
-        prompts = [_prompt(engine, None, [m.as_template_message() for m in req.messages])]
+        prompts = [_prompt(engine, None, [m.as_template_message() for m in req.messages],
+                           tools.template_tools() if tools is not None else None)]
         _check_context(engine, prompts, *req.requested_max_tokens())
     except OpenAIError as e:
         return _error_response(e)
-    return await _respond(request, state, engine, req, params, prompts, chat=True)
+    return await _respond(request, state, engine, req, params, prompts, chat=True, tools=tools)
+
+
+def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool plan; `auto` needs the server's parser (vLLM's flags and answer)."""
+    plan = req.tool_plan()
+    s = state.settings
+    if plan is not None and plan.kind == "auto" and not (s.enable_auto_tool_choice and s.tool_call_parser):
+        raise OpenAIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                          'to be set (tool_choice "auto" is the default when tools are given; "required", '
+                          '"none" and a named function work without them)', param="tool_choice")
+    return plan
 
 
 def _checked_params(engine: AsyncEngine, req) -> SamplingParams:
-    params = req.sampling_params()
+    params = req.sampling_params(engine.model_info.sampling_defaults)
     try:
         engine.intake.check_params(params)
     except PromptError as e:
-        raise OpenAIError(400, str(e), code=e.code, param="logit_bias") from None
+        param = "top_logprobs" if e.param == "logprobs" and isinstance(req, ChatCompletionRequest) else e.param
+        raise OpenAIError(400, str(e), code=e.code, param=param) from None
     return params
 
 
@@ -235,9 +250,9 @@ def _echo_text(engine: AsyncEngine, prompt: Prompt) -> str:
     return engine.tokenizer.decode(prompt.token_ids)
 
 
-def _prompt(engine: AsyncEngine, prompt, messages) -> Prompt:
+def _prompt(engine: AsyncEngine, prompt, messages, tools: list[dict] | None = None) -> Prompt:
     try:
-        return engine.intake.chat(messages) if messages is not None else engine.intake.prompt(prompt)
+        return engine.intake.chat(messages, tools) if messages is not None else engine.intake.prompt(prompt)
     except PromptError as e:
         raise OpenAIError(400, str(e), code=e.code, param="messages" if messages else "prompt") from None
 
@@ -246,8 +261,10 @@ class _Answer:
     """Builds the response objects of one completions / chat completions call."""
 
     def __init__(self, state: ServerState, engine: AsyncEngine, req, n: int, chat: bool,
-                 echo: list[str] | None = None) -> None:
+                 echo: list[str] | None = None, tools: ToolPlan | None = None) -> None:
         self.chat, self.n, self.req = chat, n, req
+        self.tools, self.tool_call_parser = tools, state.settings.tool_call_parser
+        self.tool_streams: dict[int, ToolCallStream | None] = {}  # per choice: its output through the parser
         self.echo = echo  # per prompt: the text each of its choices starts with
         self.tokenizer = engine.tokenizer
         self.id = state.new_id("chatcmpl" if chat else "cmpl")
@@ -282,23 +299,51 @@ class _Answer:
         choice = {"index": index, "finish_reason": finish_reason(reason) or "stop",
                   "logprobs": self.logprobs(index, token_ids, lps), "stop_reason": stop_reason}
         if self.chat:
+            stream = self._tool_stream(index)
             choice["message"] = {"role": "assistant", "content": text}
+            if stream is not None:
+                content, calls = stream.message(text)
+                choice["message"]["content"] = content
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    choice["finish_reason"] = _with_tool_calls(choice["finish_reason"])
         else:
             choice["text"] = self._echoed(index, text, True)
         if self.req.return_token_ids:
             choice["token_ids"] = list(token_ids)
         return choice
 
-    def delta_choice(self, index: int, d: Delta, first: bool, stop_reason: int | str | None) -> dict:
+    def delta_choice(self, index: int, d: Delta, first: bool, stop_reason: int | str | None) -> dict | None:
+        """The chunk's choice for this delta; None when it has nothing to say (text held by a tool parser)."""
         choice = {"index": index, "finish_reason": finish_reason(d.finish_reason),
                   "logprobs": self.logprobs(index, d.token_ids, d.logprobs), "stop_reason": stop_reason}
-        if self.chat:
+        stream = self._tool_stream(index) if self.chat else None
+        if stream is not None:
+            content, calls = stream.delta(d.text, final=d.finish_reason is not None)
+            delta = {"role": "assistant", "content": content or None} if first else \
+                ({"content": content} if content else {})
+            if calls:
+                delta["tool_calls"] = calls
+            if not (delta or d.finish_reason or (self.want_tokens and d.token_ids)):
+                return None
+            choice["delta"] = delta
+            if d.finish_reason and stream.called:
+                choice["finish_reason"] = _with_tool_calls(choice["finish_reason"])
+        elif self.chat:
             choice["delta"] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
         else:
             choice["text"] = self._echoed(index, d.text, first)
         if self.req.return_token_ids:
             choice["token_ids"] = d.token_ids
         return choice
+
+    def _tool_stream(self, index: int) -> ToolCallStream | None:
+        if self.tools is None:
+            return None
+        if index not in self.tool_streams:
+            parser = self.tools.parser(self.tool_call_parser)
+            self.tool_streams[index] = ToolCallStream(parser, self.tools.parallel) if parser is not None else None
+        return self.tool_streams[index]
 
     def _echoed(self, index: int, text: str, first: bool) -> str:
         return self.echo[index // self.n] + text if self.echo and first else text
@@ -310,11 +355,17 @@ def _usage(streams: list[RequestStream]) -> dict:
                       sum(s.num_cached_tokens for s in streams))
 
 
+def _with_tool_calls(reason: str) -> str:
+    """A choice that ended by itself with tool calls ends with "tool_calls" (one cut off stays "length")."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 async def _respond(request: Request, state: ServerState, engine: AsyncEngine, req, params,
-                   prompts: list[Prompt], chat: bool, echo: list[str] | None = None) -> Response:
-    answer = _Answer(state, engine, req, params.n, chat, echo)
-    streams = [RequestStream(engine, state.metrics, ids, params, f"{answer.id}-{k}", owner=answer.id)
-               for k, ids in enumerate(prompts)]
+                   prompts: list[Prompt], chat: bool, echo: list[str] | None = None,
+                   tools: ToolPlan | None = None) -> Response:
+    answer = _Answer(state, engine, req, params.n, chat, echo, tools)
+    streams = [RequestStream(engine, state.metrics, ids, params, f"{answer.id}-{k}", owner=answer.id,
+                             log=state.settings.enable_log_requests) for k, ids in enumerate(prompts)]
     if req.stream:
         return StreamingResponse(_sse(answer, streams), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
@@ -401,7 +452,9 @@ async def _sse(answer: _Answer, streams: list[RequestStream]) -> AsyncIterator[s
                 started.add(index)
                 # a finished sample's stop_reason is settled in every later output of its stream
                 stop_reason = streams[k].final.outputs[d.index].stop_reason if d.finish_reason else None
-                choices.append(answer.delta_choice(index, d, first, stop_reason))
+                choice = answer.delta_choice(index, d, first, stop_reason)
+                if choice is not None:
+                    choices.append(choice)
             if choices:
                 usage = _usage(streams) if continuous and answer.req.include_usage else None
                 yield _sse_line(answer.head(choices, usage, chunk=True))

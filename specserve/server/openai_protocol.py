@@ -7,12 +7,23 @@ extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are ac
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from specserve.engine.intake import Intake, PromptError
 from specserve.engine.messages import ModelInfo
 from specserve.sampling_params import SamplingParams
+from specserve.server.constraints import GUIDED_FIELDS, structured_outputs_from
+from specserve.server.tool_calls import (
+    ToolCallIn,
+    ToolChoice,
+    ToolChoiceError,
+    ToolDefinition,
+    ToolPlan,
+    plan_tools,
+)
 from specserve.server.validation import (
     MAX_STOP_STRINGS,
     ROLES,
@@ -55,9 +66,6 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -74,9 +82,9 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: TopK = 0
-    min_p: MinP = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
+    top_k: TopK | None = None  # None (left out): the model's default (--generation-config), else off
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
@@ -84,40 +92,37 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: CacheSalt | None = None
     return_token_ids: bool = False  # each choice (and stream chunk) carries its output `token_ids`
-    # constrained decoding (OpenAI's and vLLM's names): not implemented yet, so refused, never ignored
+    # structured outputs (OpenAI's and vLLM's names), checked and converted by server/constraints.py
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: Any = None
 
     def _check_common(self) -> None:
-        for name in STRUCTURED_FIELDS:
-            if getattr(self, name, None) is not None:
-                raise OpenAIError(400, f"{name}: structured outputs are not supported by this server yet",
-                                  param=name)
-        if self.response_format and self.response_format.get("type") != "text":
-            raise OpenAIError(400, "only response_format {\"type\": \"text\"} is supported",
-                              param="response_format")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true",
                               param="stream_options")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise OpenAIError(400, f"at most {MAX_STOP_STRINGS} stop sequences", param="stop")
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: the model's sampling defaults (ModelInfo.sampling_defaults) for fields left out."""
         try:
             return to_sampling_params(
-                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                defaults, n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
-                logit_bias=self._logit_bias())
+                logit_bias=self._logit_bias(), structured_outputs=structured_outputs_from(
+                    self.response_format, self.structured_outputs,
+                    {name: getattr(self, name) for name in GUIDED_FIELDS}))
         except InputError as e:
-            raise OpenAIError(400, e.message, code=e.code) from None
+            raise OpenAIError(400, e.message, code=e.code, param=e.param) from None
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's `logit_bias` has token ids as JSON object keys (strings)."""
@@ -136,7 +141,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: MaxTokens | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -156,7 +161,7 @@ class CompletionRequest(_SamplingFields):
         out, the default 16 stays capped by the context: only a cap the client chose is checked."""
         return (self.max_tokens if "max_tokens" in self.model_fields_set else None), "max_tokens"
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         self._check_common()
         if self.echo and self.logprobs is not None:
             raise OpenAIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
@@ -165,7 +170,9 @@ class CompletionRequest(_SamplingFields):
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIError(400, "best_of other than n is not supported", param="best_of")
-        return self._params(self.max_tokens, self.logprobs)
+        max_tokens = self.max_tokens if "max_tokens" in self.model_fields_set else \
+            (defaults or {}).get("max_tokens", self.max_tokens)  # the model's default, else OpenAI's 16
+        return self._params(max_tokens, self.logprobs, defaults)
 
 
 class TextPart(BaseModel):
@@ -179,11 +186,21 @@ class ChatMessageIn(BaseModel):
     role: Literal[ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it (the intake parses tool calls' arguments to dicts)."""
         content = self.content if isinstance(self.content, str) else \
             "".join(p.text for p in self.content or [])
-        return {"role": template_role(self.role), "content": content}
+        out = {"role": template_role(self.role), "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -191,19 +208,36 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    top_logprobs: int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         self._check_common()
-        if self.tools:
-            raise OpenAIError(400, "tools are not supported by this server", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise OpenAIError(400, "tool_choice is not supported by this server", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return self._params(self.requested_max_tokens()[0], (self.top_logprobs or 0) if self.logprobs else None)
+        params = self._params(self.requested_max_tokens()[0], (self.top_logprobs or 0) if self.logprobs else None,
+                              defaults)
+        plan = self.tool_plan()
+        constraint = plan.constraint() if plan is not None else None
+        if constraint is None:
+            return params
+        if params.structured_outputs is not None:
+            raise OpenAIError(400, "tool_choice \"required\" or a named function is enforced with a grammar, "
+                              "so it cannot be combined with response_format or structured outputs",
+                              param="tool_choice")
+        try:
+            return dataclasses.replace(params, structured_outputs=constraint)
+        except ValueError as e:
+            raise OpenAIError(400, f"tool_choice: {e}", param="tool_choice") from None
+
+    def tool_plan(self) -> ToolPlan | None:
+        """How the request's tools are used (server/tool_calls.py); None without tools."""
+        try:
+            return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolChoiceError as e:
+            raise OpenAIError(400, e.message, param=e.param) from None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
@@ -221,6 +255,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (the template has them)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None  # rendered with the messages, as chat completions does
 
 
 class DetokenizeRequest(BaseModel):
@@ -238,15 +273,15 @@ def tokenize(tokenizer, req: TokenizeRequest, info: ModelInfo) -> dict:
     if req.prompt is not None:
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
-        # Intake.apply_chat_template always adds the generation prompt; here the client may leave it out
-        if not getattr(tokenizer, "chat_template", None):
-            raise OpenAIError(400, "this model has no chat template", code="invalid_messages", param="messages")
+        # the chat template as chat completions applies it (tools, tool calls), but the client may
+        # leave the generation prompt out
+        intake = Intake(tokenizer, info.vocab_size, info.max_model_len)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = tokenizer.apply_chat_template([m.as_template_message() for m in req.messages], tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # jinja errors: bad roles / content
-            raise OpenAIError(400, f"cannot apply the chat template: {e}", code="invalid_messages",
-                              param="messages") from None
+            text = intake.apply_chat_template([m.as_template_message() for m in req.messages], tools,
+                                              add_generation_prompt=req.add_generation_prompt)
+        except PromptError as e:
+            raise OpenAIError(400, str(e), code=e.code, param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
     out = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
     if req.return_token_strs:

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from specserve.sampling_params import SamplingParams
+from specserve.server.constraints import structured_outputs_from
 from specserve.server.validation import (
     MAX_STOP_STRINGS,
     ROLES,
@@ -54,21 +55,32 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+class StructuredOutputs(_Strict):
+    """A constraint on the output: exactly one field (vLLM's `structured_outputs`; server/constraints.py)."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema, or its text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF syntax: root ::= ...)
+    json_object: bool | None = None  # any JSON object
+
+
 class ResponseParams(_Strict):
     """What to generate: exactly one of `prompt` (text or token ids) and `messages` (chat)."""
 
     prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
     messages: list[ChatMessage] | None = None
     max_output_tokens: MaxTokens | None = None  # None = up to the context limit
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = 0
-    min_p: MinP = 0.0
+    temperature: Temperature | None = None  # None: the model's default (generation config), else 1.0
+    top_p: TopP | None = None  # likewise (1.0)
+    top_k: TopK | None = None  # likewise (0: off)
+    min_p: MinP | None = None  # likewise (0.0)
     seed: Seed | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     n: NumSamples = 1
     cache_salt: CacheSalt | None = None
+    structured_outputs: StructuredOutputs | None = None
     metadata: dict[str, str] | None = None
 
     def check(self) -> None:
@@ -79,11 +91,15 @@ class ResponseParams(_Strict):
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
 
-    def sampling_params(self) -> SamplingParams:
-        """Raises InputError (`invalid_parameter`) on values SamplingParams refuses."""
-        return to_sampling_params(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                  min_p=self.min_p, seed=self.seed, max_tokens=self.max_output_tokens,
-                                  stop=self.stop, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt)
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        """Raises InputError (`invalid_parameter`) on values SamplingParams refuses. `defaults`: the
+        model's sampling defaults (ModelInfo.sampling_defaults) for the fields left out."""
+        constraint = None if self.structured_outputs is None else structured_outputs_from(
+            structured_outputs=self.structured_outputs.model_dump(exclude_none=True))
+        return to_sampling_params(defaults, n=self.n, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=self.top_k, min_p=self.min_p, seed=self.seed, max_tokens=self.max_output_tokens,
+                                  stop=self.stop, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt,
+                                  structured_outputs=constraint)
 
 
 class ResponseCreate(_Strict):

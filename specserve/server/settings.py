@@ -5,6 +5,8 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve.server.tool_parsers import PARSERS
+
 DEFAULT_MAX_FRAME_SIZE = 1 << 20  # 1 MiB: far above any sane prompt frame, far below memory trouble
 # The transport closes a socket (code 1009) on frames above this multiple of max_frame_size; frames
 # between max_frame_size and that cap are answered with an `error` event and the socket stays open.
@@ -42,6 +44,10 @@ class ServerSettings:
     ssl_keyfile: str | None = None  # HTTPS / WSS with both
     ssl_certfile: str | None = None
     uvicorn_log_level: str | None = None  # uvicorn's own logs (default: the CLI's --log-level)
+    # tool_choice "auto": parse tool calls out of the model's text with this parser (vLLM's flags)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # server/tool_parsers.py: PARSERS
+    enable_log_requests: bool = False  # one log line per finished request (server/streaming.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -57,6 +63,11 @@ class ServerSettings:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name.replace('_', '-')} {path}: no such file")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of {', '.join(PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes "
+                             f"tool calls in: {', '.join(PARSERS)})")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it out to disable authentication)")
 

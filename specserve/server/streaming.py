@@ -45,8 +45,9 @@ class RequestStream:
     `final` (the last RequestOutput) and `summary()` describe it."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompt: Prompt,
-                 params: SamplingParams, request_id: str, owner: str | None = None) -> None:
+                 params: SamplingParams, request_id: str, owner: str | None = None, log: bool = False) -> None:
         self.engine = engine
+        self.log = log  # a log line when it ends (--enable-log-requests)
         self.owner = owner  # the socket or HTTP request it belongs to: the scheduler's fair share
         self.metrics = metrics
         self.prompt = prompt  # validated by the intake: the engine takes it as it is
@@ -131,6 +132,8 @@ class RequestStream:
     def _record(self) -> None:
         if self.outcome is None:
             return
+        if self.log:
+            self._log()
         m, name = self.metrics, self.metrics.model_name
         m.prompt_tokens.labels(name).inc(len(self.prompt_ids))
         m.request_prompt_tokens.labels(name).observe(len(self.prompt_ids))
@@ -149,6 +152,15 @@ class RequestStream:
         if tpot is not None:
             m.tpot.labels(name).observe(tpot)
         m.add_spec(*self.spec_counts())
+
+    def _log(self) -> None:
+        outputs = self.final.outputs if self.final is not None else []
+        reasons = ",".join(str(o.finish_reason) for o in outputs) or "none"
+        ttft = self.ttft_seconds()
+        logger.info("request %s (%s): %s, prompt %d tokens (%d cached), output %d tokens, finish %s, "
+                    "ttft %s, %.3fs", self.request_id, self.owner, self.outcome, len(self.prompt_ids),
+                    self.num_cached_tokens, self.num_output_tokens, reasons,
+                    "-" if ttft is None else f"{ttft:.3f}s", time.monotonic() - self.start)
 
     # -- summaries -------------------------------------------------------------------------------
     def decode_seconds_per_token(self) -> float | None:

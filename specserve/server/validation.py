@@ -117,11 +117,15 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def to_sampling_params(**fields: Any) -> SamplingParams:
+def to_sampling_params(defaults: dict | None = None, **fields: Any) -> SamplingParams:
     """The one mapping from a request's sampling fields (either protocol, in SamplingParams' names) to
-    SamplingParams. A field given as None takes its default, except max_tokens (None = up to the
-    context length). Values SamplingParams refuses raise InputError `invalid_parameter`."""
-    given = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
+    SamplingParams. A field given as None takes the model's default (`defaults`: ModelInfo's
+    sampling_defaults, from its generation config) if it has one, else SamplingParams' own, except
+    max_tokens (None = up to the context length). Values SamplingParams refuses raise InputError
+    `invalid_parameter`."""
+    given = dict(defaults or {})
+    given.update({k: v for k, v in fields.items() if v is not None})
+    given.setdefault("max_tokens", None)
     try:
         return SamplingParams(**given)
     except (TypeError, ValueError) as e:

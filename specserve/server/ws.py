@@ -249,7 +249,8 @@ class Session:
         s = self.state.settings
         try:
             check_request_size(1, r.n, s.max_prompts_per_request, s.max_sequences_per_request)
-            params = r.sampling_params()
+            params = r.sampling_params(engine.model_info.sampling_defaults)
+            engine.intake.check_params(params)
             if r.messages:
                 prompt = engine.intake.chat([{"role": template_role(m.role), "content": m.text()}
                                              for m in r.messages])
@@ -261,7 +262,7 @@ class Session:
             raise ProtocolError("invalid_parameter", str(e), event.event_id) from None
         response_id = self.state.new_id("resp")
         stream = RequestStream(engine, self.state.metrics, prompt, params, response_id,
-                               owner=self.session_id)
+                               owner=self.session_id, log=self.state.settings.enable_log_requests)
         await self.send(ResponseCreated(event_id=event.event_id,
                                         response=ResponseInfo(id=response_id, metadata=r.metadata)))
         task = asyncio.create_task(self._respond(stream, r.metadata), name=response_id)

@@ -63,6 +63,8 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
         return NgramProposer(policy, prompt_lookup_min=spec.prompt_lookup_min,
                              prompt_lookup_max=spec.prompt_lookup_max,
                              max_num_batched_tokens=max_num_batched_tokens)
+    if spec.method == "eagle":
+        return _eagle_proposer(spec, policy, target, device, max_positions, max_num_batched_tokens)
     from specserve.quant.self_draft import is_self_draft
     from specserve.spec_decode.draft_model import DraftModelProposer
 
@@ -95,3 +97,32 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
                 module.cfg.num_params / 1e6, policy.draft_cost)
     return DraftModelProposer(module, policy, identity=identity, num_speculative_tokens=spec.num_speculative_tokens,
                               max_num_batched_tokens=max_num_batched_tokens)
+
+
+def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, device: torch.device,
+                    max_positions: int, max_num_batched_tokens: int) -> Proposer:
+    """An EAGLE head: `spec.model`, or the one shipped for the default model; random weights with
+    load_format dummy (benchmarks: the target's layer shape, a draft vocabulary of its first
+    min(32768, vocab) ids)."""
+    from specserve.spec_decode.eagle import EagleProposer
+    from specserve.spec_decode.eagle_head import EagleHead, head_config, load_head, shipped_head
+
+    if spec.load_format == "dummy":
+        vocab = torch.arange(min(32768, target.arch.vocab_size))
+        head = EagleHead(head_config(target.arch), max_positions, vocab, target_name=target.path)
+        torch.manual_seed(0)
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+        head = head.to(device=device, dtype=target.dtype)
+        path = "dummy"
+    else:
+        path = spec.model or shipped_head(target.path)
+        head = load_head(path, dtype=target.dtype, device=device, max_positions=max_positions)
+    head.attach(target.model)
+    policy.measure_draft_cost = spec.draft_cost is None
+    policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else head.num_params / target.arch.num_params
+    logger.info("EAGLE head %s: %.1fM params, draft vocabulary %d, draft step ~%.3f target steps", path,
+                head.num_params / 1e6, head.draft_vocab_size, policy.draft_cost)
+    return EagleProposer(head, policy, identity=(str(path), str(target.dtype)),
+                         num_speculative_tokens=spec.num_speculative_tokens,
+                         max_num_batched_tokens=max_num_batched_tokens)

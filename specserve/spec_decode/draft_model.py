@@ -85,7 +85,7 @@ class DraftModelProposer:
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched)
 
-    def skip(self, sched: SchedulerOutput) -> None:
+    def skip(self, sched: SchedulerOutput, hidden=None, pending=None) -> None:
         """Like a step where every request gets k = 0: the draft falls behind, the blocks the target
         wrote are stale for it. (No drafts were verified: the target computed [start, start + n).)"""
         for s in sched.scheduled:

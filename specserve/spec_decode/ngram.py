@@ -138,7 +138,7 @@ class NgramProposer:
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched)
 
-    def skip(self, sched: SchedulerOutput) -> None:
+    def skip(self, sched: SchedulerOutput, hidden=None, pending=None) -> None:
         self.policy.guard.tick()  # contexts catch up from the requests' tokens at the next lookup
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:

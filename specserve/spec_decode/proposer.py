@@ -25,6 +25,7 @@ import torch
 if TYPE_CHECKING:
     from specserve.engine.executor import ModelExecutor
     from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+    from specserve.engine.step_inputs import PendingTokens
     from specserve.models.llama import LlamaForCausalLM
     from specserve.sample.sampler import RequestGenerators
 
@@ -49,7 +50,7 @@ class DraftStep:
 
 
 class Proposer(Protocol):
-    """A draft source: n-gram prompt lookup, a draft model, later EAGLE-style heads."""
+    """A draft source: n-gram prompt lookup, a draft model, an EAGLE-style head."""
 
     #: extra KV slots past a request's scheduled tokens the proposer writes into (the draft model
     #: writes the KV of its own k-1 draft tokens); the scheduler allocates them with the request.
@@ -73,9 +74,10 @@ class Proposer(Protocol):
         whatever the step samples. The engine may then keep the step's tokens on the device (async
         scheduling) and call `skip` instead of `propose`."""
 
-    def skip(self, sched: SchedulerOutput) -> None:
+    def skip(self, sched: SchedulerOutput, hidden: torch.Tensor, pending: PendingTokens) -> None:
         """The step ran without `propose` (see `idle`): keep the books (e.g. a draft model marks the
-        blocks the target wrote as stale for its own KV)."""
+        blocks the target wrote as stale for its own KV; an EAGLE head writes its KV from `hidden`,
+        the step's hidden states, and `pending`, its sampled tokens still on the device)."""
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         """[num_drafts, vocab] probabilities the request's current drafts were sampled from;

@@ -19,6 +19,13 @@ context + d_1..d_j, so rows 0..k-1 judge the drafts d_1..d_k and row k gives the
 
 Greedy and random requests are handled in the same batch, each group in a few batched tensor ops
 over a [num_requests, k_max + 1] grid; seeded requests draw from their own generator.
+
+Structured outputs: a constrained request's 1 + k rows are each masked by its grammar in the state
+after the drafts before them (the matcher walks the drafts tentatively and rolls back; the scheduler
+advances it by the accepted tokens only). A draft the grammar refuses ends the acceptable prefix:
+it is rejected, and its position samples a corrected token under the mask; the rules above then
+run on the masked target p, so the output follows the target's distribution restricted to the
+grammar, exactly as decoding without speculation does.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch
 
 from specserve.engine.outputs import ModelRunnerOutput
 from specserve.sample.sampler import SamplingRow, apply_penalties, draw, probs_for, top_logprobs
+from specserve.sample.structured import GrammarMasks
 
 
 @dataclass(slots=True)
@@ -65,6 +73,7 @@ class RejectionSampler:
         # Benchmarks only: accept each draft with this probability, whatever the models say.
         self.simulated_acceptance = simulated_acceptance
         self._sim_generator = torch.Generator().manual_seed(seed)
+        self.masks = GrammarMasks()
 
     def verify(self, logits: torch.Tensor, verify_rows: Sequence[tuple], rows: Sequence[SamplingRow],
                draft_probs: Sequence[torch.Tensor | None], out: ModelRunnerOutput) -> None:
@@ -97,10 +106,13 @@ class RejectionSampler:
         target = logits[rows.reshape(-1)]  # [R * (K+1), V] (a copy: penalties may edit it)
         raw = target.clone() if any(r.row.params.logprobs is not None for r in reqs) else None
         self._penalize(target, reqs, max_k)
+        num_allowed = self._mask_grammars(target, reqs, max_k)
         target = target.view(num_reqs, max_k + 1, vocab)
         drafts = torch.tensor([r.draft_ids + [0] * (max_k - k) for r, k in zip(reqs, ks)],
                               dtype=torch.long, device=device).view(num_reqs, max_k)  # [R, K]
         valid = pos[None, :max_k] < k_t[:, None]  # [R, K]
+        if num_allowed is not None:  # a draft the grammar refuses (and every one after it) is rejected
+            valid &= pos[None, :max_k] < torch.tensor(num_allowed, device=device)[:, None]
         num_accepted = torch.zeros(num_reqs, dtype=torch.long, device=device)
         final = torch.zeros(num_reqs, dtype=torch.long, device=device)  # token after the accepted prefix
 
@@ -176,6 +188,23 @@ class RejectionSampler:
 
     def _simulated(self, num: int, max_k: int, device) -> torch.Tensor:
         return (torch.rand(num, max_k, generator=self._sim_generator) < self.simulated_acceptance).to(device)
+
+    def _mask_grammars(self, target: torch.Tensor, reqs: Sequence[VerifyRequest], max_k: int) -> list[int] | None:
+        """Mask each constrained request's 1 + k rows of target ([R * (K+1), V], in place) with its
+        grammar at that position. Returns per request how many leading drafts the grammar accepts
+        (all k for unconstrained ones), or None when no request is constrained."""
+        constrained = [i for i, r in enumerate(reqs) if r.row.grammar is not None]
+        if not constrained:
+            return None
+        bitmask = self.masks.buffer(target.shape[0], target.shape[1])
+        num_allowed = [len(r.draft_ids) for r in reqs]
+        rows = []
+        for i in constrained:
+            first, k = i * (max_k + 1), len(reqs[i].draft_ids)
+            num_allowed[i] = reqs[i].row.grammar.fill_drafts(reqs[i].draft_ids, bitmask, first)
+            rows.extend(range(first, first + k + 1))
+        self.masks.apply(target, bitmask, rows)
+        return num_allowed
 
     @staticmethod
     def _penalize(target: torch.Tensor, reqs: Sequence[VerifyRequest], max_k: int) -> None:

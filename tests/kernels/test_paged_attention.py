@@ -56,6 +56,33 @@ def test_padded_requests_and_tokens_are_ignored(paged_batch, close):
     close(out[:3], ref[:3])
 
 
+def run_windowed(batch: dict, window: int, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    args = [batch[k] for k in ATTN_ARGS]
+    out = torch.full_like(batch["query"], float("nan"))
+    paged_attention(*args, out=out, sliding_window=window, **overrides)
+    return out, ref_paged_attention(*args, sliding_window=window)
+
+
+@pytest.mark.parametrize("window, splits", [(1, None), (7, None), (24, 4), (60, None)])
+def test_sliding_window_matches_reference(paged_batch, close, window, splits):
+    # a decode and a verify deep in their contexts (the tiles before the window are skipped), a prefill
+    # chunk whose rows' windows start in different tiles, a fresh prefill longer than most windows
+    batch = paged_batch([1, 3, 20, 40], [100, 70, 52, 40], num_heads=4, num_kv_heads=2, head_dim=32,
+                        block_size=16, dtype=torch.float32, seed=8)
+    out, ref = run_windowed(batch, window, **({"num_splits": splits} if splits else {}))
+    close(out, ref)
+    full = ref_paged_attention(*[batch[k] for k in ATTN_ARGS])
+    assert not torch.allclose(ref[:1], full[:1])  # the decode at position 99 sees only its window
+
+
+def test_sliding_window_wider_than_context_is_full_attention(paged_batch, close):
+    batch = paged_batch([1, 6], [30, 6], num_heads=2, num_kv_heads=1, head_dim=32, block_size=8,
+                        dtype=torch.float32, seed=9)
+    out, ref = run_windowed(batch, 30)
+    close(out, ref)
+    close(out, ref_paged_attention(*[batch[k] for k in ATTN_ARGS]))
+
+
 def test_ref_matches_sdpa_for_one_prefill(paged_batch):
     batch = paged_batch([6], [6], num_heads=4, num_kv_heads=2, head_dim=32, block_size=4,
                         dtype=torch.float32, seed=5)
@@ -78,6 +105,7 @@ def test_ref_matches_sdpa_for_one_prefill(paged_batch):
     (dict(block_tables=torch.zeros(3, 2, dtype=torch.int32)), "block_tables must be"),
     (dict(out=torch.zeros(3, 4, 32, dtype=torch.float16)), "out must match"),
     (dict(num_splits=3), "power of two"),
+    (dict(sliding_window=0), "sliding_window must be"),
 ])
 def test_bad_inputs_raise_clear_errors(change, message):
     args = dict(query=torch.zeros(3, 4, 32), kv_cache=torch.zeros(2, 4, 16, 2, 32),
@@ -130,6 +158,24 @@ def test_gpu_long_context_split_k(paged_batch, close, q_lens, seq_lens):
     assert select_configs(len(q_lens), len(q_lens), 8, 4, 128, 2, max(q_lens), max(seq_lens),
                           torch.cuda.get_device_properties(0).multi_processor_count)[2] > 1
     close(*run_both(batch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [1, 100, 512, 4096])
+@pytest.mark.parametrize("qpk, head_dim", [(1, 128), (4, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_sliding_window(paged_batch, close, window, qpk, head_dim, dtype):
+    # (4, 256): Gemma 3 270M's 4 query heads on one kv head of 256 dims, window 512
+    batch = paged_batch(MIXED_Q, MIXED_S, num_heads=2 * qpk, num_kv_heads=2, head_dim=head_dim, block_size=16,
+                        dtype=dtype, seed=window + qpk)
+    close(*run_windowed(batch, window))
+
+
+@pytest.mark.gpu
+def test_gpu_sliding_window_split_k_decode(paged_batch, close):
+    batch = paged_batch([1, 1, 5], [32768, 9000, 4100], num_heads=8, num_kv_heads=2, head_dim=256, block_size=16,
+                        dtype=torch.bfloat16, seed=12)
+    close(*run_windowed(batch, 4096, num_splits=8))
 
 
 @pytest.mark.gpu

@@ -35,26 +35,45 @@ def make_step(q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_hea
     return meta, qkv, rand(2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def run_backends(meta, qkv, cache, scale):
+def run_backends(meta, qkv, cache, scale, sliding_window=None):
     from specserve.models.layers.triton_attn import TritonAttentionBackend
 
     outs, caches = [], []
     for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
         c = cache.clone()
         backend.prepare(meta)
-        outs.append(backend.forward(*qkv, c, meta, scale))
+        outs.append(backend.forward(*qkv, c, meta, scale, sliding_window=sliding_window))
         caches.append(c)
     return outs, caches
 
 
-def test_backend_matches_torch_backend_on_mixed_step():
+@pytest.mark.parametrize("window", [None, 5])
+def test_backend_matches_torch_backend_on_mixed_step(window):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # decode, verify (1 + 3 drafts), prefill chunk behind a cached prefix, fresh prefill
     meta, qkv, cache = make_step([1, 4, 12, 6], [23, 9, 40, 6], num_heads=4, num_kv_heads=2, head_dim=32,
                                  block_size=16, dtype=torch.float32, device=device)
-    (out, ref), (cache_out, cache_ref) = run_backends(meta, qkv, cache, 32 ** -0.5)
+    (out, ref), (cache_out, cache_ref) = run_backends(meta, qkv, cache, 32 ** -0.5, window)
     assert torch.equal(cache_out, cache_ref)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_torch_backend_sliding_window_matches_reference(window):
+    from specserve.kernels import ref_paged_attention
+
+    # decodes, a verify, a chunk behind a prefix, and a prefill of 40 (longer than the short-query group)
+    meta, qkv, cache = make_step([1, 1, 4, 12, 40], [23, 1, 9, 40, 40], num_heads=4, num_kv_heads=2, head_dim=32,
+                                 block_size=4, dtype=torch.float32, device=torch.device("cpu"), seed=window)
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    scale = 32 ** -0.5
+    out = backend.forward(*qkv, cache, meta, scale, sliding_window=window)
+    full = backend.forward(*qkv, cache, meta, scale)  # a global layer of the same step: its own mask
+    args = (qkv[0], cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    torch.testing.assert_close(out, ref_paged_attention(*args, sliding_window=window), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(full, ref_paged_attention(*args), atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(out, full)
 
 
 def test_backend_imports_and_names_itself():
@@ -72,5 +91,8 @@ def test_gpu_backend_matches_torch_backend_bf16(block_size):
                                  block_size=block_size, dtype=torch.bfloat16, device=torch.device("cuda"))
     (out, ref), (cache_out, cache_ref) = run_backends(meta, qkv, cache, 128 ** -0.5)
     assert torch.equal(cache_out, cache_ref)
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < 1.5e-2
+    (out, ref), _ = run_backends(meta, qkv, cache, 128 ** -0.5, sliding_window=512)
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < 1.5e-2

@@ -7,7 +7,10 @@ block_size + t % block_size`; `slot_mapping` holds that slot for every token of 
 A step's batch is flat and ragged: request `i` contributes tokens
 `query_start_loc[i]:query_start_loc[i+1]` (1 for a decode, 1 + k for a speculative verification,
 a chunk for prefill), which are the LAST `query_len` tokens of its `seq_lens[i]`-long context.
-Attention is causal inside each request's query.
+Attention is causal inside each request's query. A layer may pass a `sliding_window` W (a constant of
+that layer, e.g. Gemma 3's local layers): the token at position p then attends to positions
+p - W + 1 .. p only. The cache keeps every key either way (block tables and the prefix cache do not
+change); keys before the window are masked.
 """
 from __future__ import annotations
 
@@ -48,8 +51,10 @@ class AttentionBackend(Protocol):
         """Precompute per-step tensors (once per step, shared by all layers) into `meta.extra`."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write `key`/`value` into `kv_cache` at `meta.slot_mapping`, then attend.
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        """Write `key`/`value` into `kv_cache` at `meta.slot_mapping`, then attend (over the last
+        `sliding_window` positions of each token when given).
 
         query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim];
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns [num_tokens, num_heads, head_dim].

@@ -12,7 +12,10 @@ _FUSED: tuple | None = None
 
 def fused_ops() -> tuple | None:
     """The Triton RMSNorm / RoPE / SwiGLU-activation kernels, or None where Triton is missing (CUDA
-    tensors only)."""
+    tensors only) or gradients are being recorded (the kernels have no backward: training a draft
+    head, specserve/spec_decode/train.py, takes the plain PyTorch path)."""
+    if torch.is_grad_enabled():
+        return None
     global _FUSED
     if _FUSED is None:
         try:

@@ -7,7 +7,7 @@ nor a verification's 1 + k rows by the number of decodes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,20 @@ class _Group:
     q_valid: torch.Tensor | None  # [B, Q] bool, None when no row is padding
     block_tables: torch.Tensor  # [B, num_blocks]
     mask: torch.Tensor  # [B, 1, Q, num_blocks * block_size] bool, True = attend
+    q_pos: torch.Tensor  # [B, Q] absolute position of each query row
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask, per step
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor:
+        """The causal mask, narrowed to the last `sliding_window` positions of each row (built once per
+        step and window: the local layers of a model share it)."""
+        if sliding_window is None:
+            return self.mask
+        mask = self.windowed.get(sliding_window)
+        if mask is None:
+            kv_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            in_window = kv_pos[None, None, :] > (self.q_pos - sliding_window)[:, :, None]
+            mask = self.windowed[sliding_window] = self.mask & in_window[:, None]
+        return mask
 
 
 class TorchAttentionBackend:
@@ -53,10 +67,12 @@ class TorchAttentionBackend:
         kv_pos = torch.arange(num_blocks * block_size, device=device)
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < s_lens_t[:, None, None])
         return _Group(q_index=q_index, q_valid=None if min(q_lens) == max_q else q_valid,
-                      block_tables=meta.block_tables[req_idx, :num_blocks].long(), mask=mask[:, None])
+                      block_tables=meta.block_tables[req_idx, :num_blocks].long(), mask=mask[:, None],
+                      q_pos=q_pos)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kvh, d]
         flat_cache[0].index_copy_(0, meta.slot_mapping, key)
@@ -67,7 +83,7 @@ class TorchAttentionBackend:
             q = query[g.q_index].transpose(1, 2)  # [B, H, Q, d]
             k = kv_cache[0][g.block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
             v = kv_cache[1][g.block_tables].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask_for(sliding_window), scale=scale,
                                                enable_gqa=q.shape[1] != k.shape[1])
             o = o.transpose(1, 2)  # [B, Q, H, d]
             if g.q_valid is None:

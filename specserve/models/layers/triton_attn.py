@@ -25,7 +25,8 @@ class TritonAttentionBackend:
         """Nothing to precompute: the kernels read the metadata tensors directly."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim];
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns [num_tokens, num_heads, head_dim]."""
         if kv_cache.shape[2] != meta.block_size:
@@ -33,4 +34,4 @@ class TritonAttentionBackend:
                              f"{meta.block_size}")
         self._reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
         return self._paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                     scale, meta.max_query_len, meta.max_seq_len)
+                                     scale, meta.max_query_len, meta.max_seq_len, sliding_window=sliding_window)

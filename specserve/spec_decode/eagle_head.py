@@ -1,0 +1,276 @@
+"""An EAGLE-style draft head: one decoder layer over the target's last hidden state and the embedding
+of the next token, with the target's embedding and a reduced draft vocabulary of the target's LM head.
+
+Entries. The head keeps its own KV (one layer) under the request's block ids. Its entry at position
+j reads the token x_j and the target's hidden state h_{j-1} at the position before (zeros at j = 0):
+
+    g_j = norm(layer(fc([norm_e(embed(x_j)), norm_h(h_{j-1})])))      logits_j = lm_head_draft(g_j)
+
+and predicts x_{j+1}. So entry j depends on tokens x_0..x_j only, like the target's KV at j: a block
+found in the prefix cache holds valid head entries for its tokens. Chain drafting: after the target
+verified up to the context's last token x_{L-1} (entry L-1 computed with the real h_{L-2}), the
+first draft d_1 comes from logits_{L-1}; entry L reads (d_1, g_{L-1}) -- the head's own output in
+place of the target's hidden state it does not have -- and gives d_2; and so on.
+
+Training (`train_forward`, specserve/spec_decode/train.py) runs the same entries densely over whole
+sequences, `depth` times: at depth d the hidden input is the head's depth d-1 output one position
+back, and the attention mask is exactly what chain step d sees at inference (the real entries up to
+where the chain started, then the chain's own entries): EAGLE-3's training-time test.
+
+Checkpoint (a directory): `config.json` ({"architectures": ["EagleHead"], the layer's shape, the
+target's hidden size / vocabulary and name}) and `model.safetensors` (the head's weights and
+`draft_vocab`: the target token id of every draft-vocabulary row). The head owns no embedding and no
+LM head: both are the target's (`attach`), the LM head cut to the draft vocabulary's rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
+from specserve.models.layers.basic import RMSNorm, RotaryEmbedding
+from specserve.models.llama import DecoderLayer
+from specserve.models.registry import ArchConfig
+
+ARCHITECTURE = "EagleHead"
+WEIGHTS = "model.safetensors"
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int, draft_vocab: torch.Tensor,
+                 target_name: str = "") -> None:
+        """cfg: the head's layer shape (num_layers 1; hidden size = the target's); draft_vocab: [Vd]
+        target token ids, one per row of the head's LM head."""
+        super().__init__()
+        if cfg.num_layers != 1:
+            raise ValueError(f"an EAGLE head has one decoder layer, this config has {cfg.num_layers}")
+        self.cfg = cfg
+        self.target_name = target_name
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, RotaryEmbedding(cfg.head_dim, max_positions,
+                                                                       cfg.rope_theta, cfg.rope_scaling))])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=False)
+        # the target's, set by `attach` (not parameters of the head: never saved, never trained)
+        self.__dict__["_embed"] = None  # nn.Embedding, set by attach
+        self._lm_head: torch.Tensor | None = None  # [Vd, h]: the target's LM head rows of draft_vocab
+        self.backend: AttentionBackend | None = None  # set by the model executor
+        self.graph_inputs = {"hidden_states": h}  # extra inputs a captured graph must hold (engine/cuda_graphs.py)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.draft_vocab.numel()
+
+    @property
+    def num_params(self) -> int:
+        """Weights one draft step reads: the layer, fc, the norms and the draft LM head rows."""
+        own = sum(p.numel() for p in self.parameters())
+        return own + self.draft_vocab_size * self.cfg.hidden_size
+
+    # -- the target's parts ----------------------------------------------------------------------
+    def attach(self, target: nn.Module) -> None:
+        """Share the target's embedding and the draft vocabulary's rows of its LM head."""
+        embed = target.embed_tokens
+        lm_head = target.lm_head.weight if target.lm_head is not None else embed.weight
+        if embed.weight.shape[1] != self.cfg.hidden_size:
+            raise ValueError(f"the EAGLE head was trained for hidden size {self.cfg.hidden_size}, the target "
+                             f"has {embed.weight.shape[1]}")
+        vocab = embed.weight.shape[0]
+        if self.cfg.vocab_size != vocab:
+            raise ValueError(f"the EAGLE head was trained for a target vocabulary of {self.cfg.vocab_size} "
+                             f"tokens, the target has {vocab}")
+        if lm_head.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError("the EAGLE head needs the target's LM head unquantized (leave quantize_embeddings off)")
+        self.__dict__["_embed"] = embed  # a reference, not a submodule: never saved, moved or trained with the head
+        self.draft_vocab = self.draft_vocab.to(lm_head.device)
+        with torch.no_grad():
+            self._lm_head = lm_head[self.draft_vocab].detach().clone()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._embed(input_ids)
+
+    # -- inference -------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; hidden_states: [T, h], the target's hidden state one position
+        back (or the head's own output, chain drafting; None = zeros) -> the head's outputs g [T, h]."""
+        e = self.embed(input_ids)
+        if hidden_states is None:
+            hidden_states = torch.zeros_like(e)
+        x = self.fc(torch.cat([self.embed_norm(e), self.hidden_norm(hidden_states)], dim=-1))
+        x, residual = self.layers[0](positions, x, None, kv_caches[0], meta, self.backend)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """g [N, h] -> fp32 logits over the draft vocabulary [N, Vd] (row i = target id draft_vocab[i])."""
+        return nn.functional.linear(hidden, self._lm_head).float()
+
+    # -- training --------------------------------------------------------------------------------
+    def train_forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, depth: int
+                      ) -> list[torch.Tensor]:
+        """One sequence densely, `depth` times (the training-time test). input_ids: [N] tokens
+        x_0..x_{N-1}; target_hidden: [N, h], the target's h_0..h_{N-1}. Returns per depth d the
+        head's outputs [N, h]; row j at depth d predicts x_{j+1} as chain step d does when it starts
+        from the real entries up to j - d."""
+        layer = self.layers[0]
+        attn = layer.self_attn
+        n = input_ids.shape[0]
+        positions = torch.arange(n, device=input_ids.device)
+        e = self.embed_norm(self.embed(input_ids))
+        hidden = _shift(target_hidden)
+        keys, values, outputs = [], [], []
+        for d in range(depth):
+            x = self.fc(torch.cat([e, self.hidden_norm(hidden)], dim=-1))
+            residual = x
+            x = layer.input_layernorm(x)
+            q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q = q.view(n, attn.num_heads, attn.head_dim)
+            k = k.view(n, attn.num_kv_heads, attn.head_dim)
+            v = v.view(n, attn.num_kv_heads, attn.head_dim)
+            if attn.q_norm is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = attn.rotary(positions, q, k)
+            keys.append(k)
+            values.append(v)
+            out = _chain_attention(q, keys, values, attn.scale)
+            x = attn.o_proj(out.reshape(n, attn.q_size))
+            x, residual = layer.post_attention_layernorm(x, residual)
+            g, _ = self.norm(layer.mlp(x), residual)
+            outputs.append(g)
+            hidden = _shift(g)
+        return outputs
+
+
+def _shift(hidden: torch.Tensor) -> torch.Tensor:
+    """Row j gets row j - 1 (zeros at row 0): the hidden input of entry j."""
+    return torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+
+
+def chain_mask(n: int, depth: int, device=None) -> torch.Tensor:
+    """[n, (depth + 1) * n] bool: what query row j at depth `depth` may attend among the keys of
+    depths 0..depth (concatenated): depth-0 keys i <= j - depth (the real entries the chain started
+    after), then at depth e (1..depth) only the key at j - depth + e (the chain's own entry there)."""
+    j = torch.arange(n, device=device)[:, None]
+    i = torch.arange(n, device=device)[None, :]
+    blocks = [i <= j - depth] + [i == j - depth + e for e in range(1, depth + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def _chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     scale: float) -> torch.Tensor:
+    """q [n, H, D] at depth len(keys) - 1 over the keys / values [n, KVH, D] of depths 0..that."""
+    n, num_heads, _ = q.shape
+    k = torch.cat(keys)  # [(d + 1) n, KVH, D]
+    v = torch.cat(values)
+    group = num_heads // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    mask = chain_mask(n, len(keys) - 1, q.device)
+    out = nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                     attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def head_config(target: ArchConfig, **overrides: Any) -> ArchConfig:
+    """The head's layer shape: the target's decoder layer, one of it."""
+    return dataclasses.replace(target, num_layers=1, raw={}, **overrides)
+
+
+def save_head(head: EagleHead, out_dir: str | Path, extra: dict | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = head.cfg
+    config = {
+        "architectures": [ARCHITECTURE], "model_type": "eagle_head", "target": head.target_name,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings, "attention_bias": cfg.qkv_bias,
+        "qk_norm": cfg.qk_norm, "target_vocab_size": cfg.vocab_size,
+        "draft_vocab_size": head.draft_vocab_size, **(extra or {}),
+    }
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in head.state_dict().items()}
+    tensors["draft_vocab"] = head.draft_vocab.to("cpu", torch.int64).contiguous()
+    save_file(tensors, str(out / WEIGHTS))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+HEADS_DIR = Path(__file__).parent / "heads"  # heads shipped with the package, one directory per target
+
+
+def shipped_head(target_path: str | Path) -> Path:
+    """The head shipped for a target (the default model), or a clear error."""
+    from specserve.models.default_paths import MODEL_NAME, default_model_dir
+
+    target = Path(target_path)
+    if target.resolve() == default_model_dir().resolve() or target.name == MODEL_NAME:
+        head = HEADS_DIR / MODEL_NAME
+        if is_head_dir(head):
+            return head
+    raise ValueError(f"no EAGLE head ships for {target_path}: give one in speculative_config "
+                     "{\"method\": \"eagle\", \"model\": HEAD_DIR} (make it with `specserve train-draft`)")
+
+
+def is_head_dir(path: str | Path) -> bool:
+    config = Path(path) / "config.json"
+    try:
+        return ARCHITECTURE in json.loads(config.read_text()).get("architectures", [])
+    except (OSError, ValueError):
+        return False
+
+
+def load_head(path: str | Path, *, dtype: torch.dtype, device: torch.device, max_positions: int) -> EagleHead:
+    """A head saved by `save_head` (not yet attached to a target). A directory that is not one is
+    refused with what it is instead."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"EAGLE head not found: {path} (a directory made by `specserve train-draft`)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    if ARCHITECTURE not in raw.get("architectures", []):
+        raise ValueError(f"{path} is not an EAGLE head (architectures {raw.get('architectures')}); "
+                         "for a whole draft model use method draft_model")
+    try:
+        cfg = ArchConfig(
+            architecture=ARCHITECTURE, vocab_size=int(raw["target_vocab_size"]), hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]), num_layers=1,
+            num_heads=int(raw["num_attention_heads"]), num_kv_heads=int(raw["num_key_value_heads"]),
+            head_dim=int(raw["head_dim"]), rms_norm_eps=float(raw["rms_norm_eps"]),
+            rope_theta=float(raw["rope_theta"]), rope_scaling=raw.get("rope_scaling"),
+            max_position_embeddings=int(raw["max_position_embeddings"]), tie_word_embeddings=True,
+            qkv_bias=bool(raw.get("attention_bias", False)), torch_dtype=None, qk_norm=bool(raw.get("qk_norm")))
+    except KeyError as e:
+        raise ValueError(f"{config_file}: missing field {e.args[0]!r}") from None
+    weights = path / WEIGHTS
+    if not weights.is_file():
+        raise ValueError(f"EAGLE head {path} has no {WEIGHTS}")
+    tensors = load_file(str(weights))
+    draft_vocab = tensors.pop("draft_vocab", None)
+    if draft_vocab is None or draft_vocab.dim() != 1:
+        raise ValueError(f"EAGLE head {path}: {WEIGHTS} has no draft_vocab id map")
+    if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= cfg.vocab_size:
+        raise ValueError(f"EAGLE head {path}: draft_vocab has ids outside the target vocabulary of {cfg.vocab_size}")
+    head = EagleHead(cfg, max_positions, draft_vocab, target_name=raw.get("target", ""))
+    try:
+        head.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"EAGLE head {path}: weights do not match its config.json: {e}") from None
+    return head.to(device=device, dtype=dtype)

@@ -1,0 +1,339 @@
+"""`specserve train-draft`: train an EAGLE-style draft head (eagle_head.py) on the target's own
+hidden states over chat data.
+
+Per conversation: one target forward through a ModelExecutor (exactly the hidden states the engine
+hands the head when serving), the target's next-token distribution at every assistant row as the
+label (its log-softmax over the full vocabulary, read at the draft vocabulary's columns: the mass
+outside is dropped), then the head's training-time test over `ttt_depth` chain depths
+(`EagleHead.train_forward`). The loss of depth d is the soft cross-entropy between the two at the
+rows j >= d that predict an assistant token, weighted 0.8 ** d. The target is frozen; only the head
+learns (AdamW, linear warm-up then cosine decay, gradient clipping at 1.0).
+
+A run is reproducible from its seed: the data order of every epoch is a seeded permutation, and a
+checkpoint (training_state.pt) holds the head, the optimizer, the step, the RNG states and the
+order, so `--resume` continues exactly where the run stopped.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from torch import nn
+
+from specserve.spec_decode import train_data
+from specserve.spec_decode.eagle_head import EagleHead, head_config, save_head
+from specserve.spec_decode.train_eval import Acceptance, EvalSet, acceptance
+from specserve.spec_decode.train_target import TargetFeatures, load_target
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "training_state.pt"
+SUMMARY_FILE = "training.json"
+DEPTH_WEIGHT = 0.8
+DEFAULT_DRAFT_VOCAB_SIZE = 8192
+DEFAULT_MAX_LEN = 2048
+INITS = ("last-layer", "random")
+# what a resumed run must share with the checkpoint for its data order and schedule to continue
+_RUN_OPTIONS = ("max_len", "max_conversations", "eval_conversations", "draft_vocab_size", "ttt_depth", "lr",
+                "warmup_steps", "batch_size", "epochs", "max_steps", "seed", "init")
+
+
+@dataclass
+class TrainConfig:
+    """The options of `specserve train-draft` (flag names with underscores)."""
+    target: str | None  # HF dir / .gguf / hub id; None or "default": the default model
+    data: str  # a JSON / JSONL file of conversations, or "sharegpt"
+    out: str
+    max_len: int | None = None  # None: 2048, or the target's context length if it is shorter
+    max_conversations: int | None = None
+    eval_conversations: int = 64
+    draft_vocab_size: int | None = None  # None: 8192, or the whole vocabulary if it is smaller
+    ttt_depth: int = 4
+    lr: float = 1e-3
+    warmup_steps: int | None = None  # None: 3% of the steps
+    batch_size: int = 8
+    epochs: int = 1
+    max_steps: int | None = None  # cap on the planned steps (the schedule's length)
+    max_minutes: float | None = None  # stop taking steps after this long (this invocation), then save
+    stop_after_steps: int | None = None  # take at most this many steps in this invocation, then save
+    eval_every: int = 100
+    save_every: int = 200
+    seed: int = 0
+    init: str = "last-layer"
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("ttt_depth", "batch_size", "epochs", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_len", "max_conversations", "max_steps", "stop_after_steps", "threads", "draft_vocab_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.eval_conversations < 0 or (self.warmup_steps is not None and self.warmup_steps < 0):
+            raise ValueError("--eval-conversations and --warmup-steps cannot be negative")
+        if not self.lr > 0 or (self.max_minutes is not None and not self.max_minutes > 0):
+            raise ValueError("--lr and --max-minutes must be positive")
+        if self.init not in INITS:
+            raise ValueError(f"--init {self.init!r}: choose {' or '.join(INITS)}")
+        if self.ttt_depth > 16:
+            raise ValueError(f"--ttt-depth {self.ttt_depth}: at most 16 (the engine drafts at most 16 tokens)")
+
+
+def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | None = None) -> dict:
+    """Train a head into cfg.out; returns the summary also written to cfg.out/training.json."""
+    t_start = time.monotonic()
+    stream = stream or sys.stderr
+    out = Path(cfg.out)
+    state_path = out / STATE_FILE
+    if cfg.resume and not state_path.is_file():
+        raise ValueError(f"--resume: {out} holds no checkpoint ({STATE_FILE})")
+    if not cfg.resume and state_path.exists():
+        raise ValueError(f"{out} already holds a training checkpoint: give --resume to continue it, "
+                         "or another --out")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    data_path = train_data.resolve_data_path(cfg.data)  # a missing file fails before the model loads
+    loaded = load_target(cfg.target, device, cfg.dtype, cfg.max_len)
+    vocab_size = loaded.arch.vocab_size
+    max_len = cfg.max_len or min(DEFAULT_MAX_LEN, loaded.arch.max_position_embeddings)
+
+    conversations = train_data.read_conversations(data_path)
+    if len(conversations) <= cfg.eval_conversations:
+        raise ValueError(f"{data_path} has {len(conversations)} usable conversations: not enough for "
+                         f"--eval-conversations {cfg.eval_conversations} held out and some to train on")
+    num_eval = cfg.eval_conversations
+    train_convs = conversations[:len(conversations) - num_eval][:cfg.max_conversations]
+    eval_convs = conversations[len(conversations) - num_eval:]
+    train_seqs = [s for s in train_data.render_all(loaded.tokenizer, train_convs, max_len) if s is not None]
+    eval_seqs = [s for s in train_data.render_all(loaded.tokenizer, eval_convs, max_len) if s is not None]
+    if not train_seqs:
+        raise ValueError(f"no usable conversations in {data_path}: none of {len(train_convs)} has an assistant "
+                         "turn the target's chat template renders")
+    counts = train_data.label_counts(train_seqs)
+    size = cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
+    draft_vocab, coverage = train_data.draft_vocabulary(counts, size, vocab_size, loaded.eos_token_ids)
+    identity = {"target": Path(loaded.path).name, "vocab_size": vocab_size, "hidden_size": loaded.arch.hidden_size,
+                "intermediate_size": loaded.arch.intermediate_size, "num_heads": loaded.arch.num_heads,
+                "draft_vocab_size": len(draft_vocab), "data": train_data.fingerprint(train_seqs)}
+
+    head = build_head(loaded, torch.tensor(draft_vocab), max_len, cfg.init, device, cfg.seed)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
+    total_steps = cfg.epochs * steps_per_epoch if cfg.max_steps is None else \
+        min(cfg.max_steps, cfg.epochs * steps_per_epoch)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.03 * total_steps))
+    batches = _batches(len(train_seqs), cfg.batch_size, cfg.epochs, cfg.seed)[:total_steps]
+    step, history, elapsed_before = 0, [], 0.0
+    if cfg.resume:
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        _check_resume(state, identity, cfg, out)
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        if device.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], device)
+        step, history, elapsed_before, batches = state["step"], state["history"], state["elapsed_s"], state["order"]
+
+    features = TargetFeatures(loaded, device, max_len, torch.tensor(draft_vocab, device=device))
+    eval_set = EvalSet(eval_seqs, features) if eval_seqs else None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    label_rows = [s.labels for s in train_seqs]
+
+    def save(final: bool) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_head(head, out, extra={"ttt_depth": cfg.ttt_depth, "draft_vocab_coverage": round(coverage, 4)})
+        state = {"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                 "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state(device)
+                 if device.type == "cuda" else None, "order": batches, "history": history,
+                 "elapsed_s": elapsed_before + time.monotonic() - t_start, "identity": identity,
+                 "options": {k: getattr(cfg, k) for k in _RUN_OPTIONS}}
+        tmp = state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, state_path)
+
+    bar = ProgressBar(total_steps, step, stream)
+    bar.message(f"train-draft: {len(train_seqs)} conversations ({sum(len(s.token_ids) for s in train_seqs)} "
+                f"tokens) for training, {len(eval_seqs)} held out; draft vocabulary {len(draft_vocab)} tokens "
+                f"covering {coverage:.1%} of assistant tokens; {total_steps} steps on {device}")
+    estimate: Acceptance | None = None
+    t_loop, num_tokens, stop_reason = time.monotonic(), 0, "done"
+    steps_this_run = 0
+    while step < total_steps:
+        if cfg.max_minutes is not None and time.monotonic() - t_start > cfg.max_minutes * 60:
+            stop_reason = "time"
+            break
+        if cfg.stop_after_steps is not None and steps_this_run >= cfg.stop_after_steps:
+            stop_reason = "stop_after_steps"
+            break
+        batch = batches[step]
+        denominators = [max(1, sum(int(label_rows[i][d:].sum()) for i in batch)) for d in range(cfg.ttt_depth)]
+        loss_sum = 0.0
+        head.train()
+        for i in batch:
+            seq = train_seqs[i]
+            ids, hidden, target_logp = features.labelled(seq)
+            with autocast:
+                loss = sequence_loss(head, ids, hidden, target_logp, torch.from_numpy(seq.labels).to(device),
+                                     cfg.ttt_depth, denominators)
+            loss.backward()
+            loss_sum += loss.item()
+            num_tokens += len(seq.token_ids)
+        nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg.lr, warmup, total_steps)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        steps_this_run += 1
+        history.append(round(loss_sum, 5))
+        stats = {"loss": f"{loss_sum:.4f}", "tok/s": f"{num_tokens / (time.monotonic() - t_loop):.0f}"}
+        if eval_set is not None and step % cfg.eval_every == 0 and step < total_steps:
+            estimate = acceptance(head, eval_set, cfg.ttt_depth, autocast)
+            stats["accept"] = f"{estimate.mean_acceptance_length:.2f}"
+            bar.message(f"step {step}: held-out mean acceptance length {estimate.mean_acceptance_length:.3f} "
+                        f"(k={cfg.ttt_depth}), per position {estimate.per_position_str()}")
+        bar.update(step, stats)
+        if step % cfg.save_every == 0 and step < total_steps:
+            save(final=False)
+    train_time = time.monotonic() - t_loop
+    bar.close()
+    if eval_set is not None and (estimate is None or steps_this_run % cfg.eval_every != 0 or step == total_steps):
+        estimate = acceptance(head, eval_set, cfg.ttt_depth, autocast)
+    save(final=True)
+    summary = {
+        "command": command, "target": loaded.path, "device": str(device), "target_dtype": str(loaded.dtype),
+        "stopped": stop_reason, "steps": step, "planned_steps": total_steps, "steps_this_run": steps_this_run,
+        "final_loss": history[-1] if history else None, "loss_history": history,
+        "time_s": round(elapsed_before + time.monotonic() - t_start, 1),
+        "tokens_per_s": round(num_tokens / train_time, 1) if train_time > 0 and num_tokens else None,
+        "data": {"path": str(data_path), "conversations_read": len(conversations),
+                 "train_conversations": len(train_seqs), "train_skipped": len(train_convs) - len(train_seqs),
+                 "train_tokens": sum(len(s.token_ids) for s in train_seqs),
+                 "train_assistant_tokens": sum(s.num_label_rows for s in train_seqs),
+                 "eval_conversations": len(eval_seqs)},
+        "draft_vocab": {"size": len(draft_vocab), "coverage": round(coverage, 4)},
+        "acceptance": estimate.as_dict() if estimate is not None else None,
+        "options": asdict(cfg),
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def sequence_loss(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor, target_logp: torch.Tensor,
+                  labels: torch.Tensor, depth: int, denominators: list[int]) -> torch.Tensor:
+    """ids [N]; hidden [N, h] (the target's); target_logp [R, Vd] at the R rows where labels [N] is
+    True; denominators: per depth the label rows of the whole batch (so the batch's loss is a mean
+    over its rows). Returns sum_d 0.8^d * soft-CE_d summed over this sequence's rows / denominator_d."""
+    outputs = head.train_forward(ids, hidden, depth)
+    target_p = target_logp.exp()
+    rows = labels.nonzero().squeeze(1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for d, g in enumerate(outputs):
+        keep = rows >= d  # row j at depth d continues a chain that started after row j - d
+        logq = torch.log_softmax(head.compute_logits(g[rows[keep]]), dim=-1)
+        ce = -(target_p[keep] * logq).sum()
+        total = total + DEPTH_WEIGHT ** d * ce / denominators[d]
+    return total
+
+
+def learning_rate(step: int, peak: float, warmup: int, total: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_head(loaded, draft_vocab: torch.Tensor, max_len: int, init: str, device: torch.device,
+               seed: int) -> EagleHead:
+    """An fp32 head attached to the target. `last-layer`: the layer starts as a copy of the target's
+    last decoder layer, fc passes the embedding through and ignores the hidden state, the final norm
+    is the target's: a model that already predicts from the current token. `random`: PyTorch's
+    default initialisation."""
+    torch.manual_seed(seed)
+    target = loaded.model
+    target.requires_grad_(False)
+    with torch.device(device):
+        head = EagleHead(head_config(loaded.arch), max_len, draft_vocab, target_name=Path(loaded.path).name)
+    head.float()
+    if init == "last-layer":
+        with torch.no_grad():
+            last = dict(target.layers[-1].named_parameters())
+            for name, p in head.layers[0].named_parameters():
+                p.copy_(last[name].float())
+            h = loaded.arch.hidden_size
+            head.fc.weight.zero_()
+            head.fc.weight[:, :h].copy_(torch.eye(h))
+            head.norm.weight.copy_(target.norm.weight.float())
+    head.attach(target)
+    # the head learns in fp32 (autocast gives bf16 matmuls on CUDA); the target's rows stay frozen
+    head._lm_head = head._lm_head.float()
+    return head
+
+
+def _batches(num: int, batch_size: int, epochs: int, seed: int) -> list[list[int]]:
+    """The data order: per epoch a seeded permutation cut into batches (the last one may be short)."""
+    out = []
+    for epoch in range(epochs):
+        perm = torch.randperm(num, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+        out += [perm[i:i + batch_size] for i in range(0, num, batch_size)]
+    return out
+
+
+def _check_resume(state: dict, identity: dict, cfg: TrainConfig, out: Path) -> None:
+    theirs = state["identity"]
+    for key in ("target", "vocab_size", "hidden_size", "intermediate_size", "num_heads", "draft_vocab_size"):
+        if theirs.get(key) != identity[key]:
+            raise ValueError(f"--resume: the checkpoint in {out} is for another target or shape ({key} "
+                             f"{theirs.get(key)!r}, this run {identity[key]!r})")
+    if theirs.get("data") != identity["data"]:
+        raise ValueError(f"--resume: the checkpoint in {out} was trained on other data (or other --max-len / "
+                         "--max-conversations): the data order would not continue")
+    changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (checkpoint: {v})" for k, v in state["options"].items()
+               if getattr(cfg, k) != v]
+    if changed:
+        raise ValueError(f"--resume continues the same run; these options differ from the checkpoint's: "
+                         f"{', '.join(changed)}")
+
+
+class ProgressBar:
+    """A tqdm bar on a terminal; plain lines (about 20 per run, and every message) elsewhere."""
+
+    def __init__(self, total: int, initial: int, stream: TextIO) -> None:
+        from tqdm import tqdm
+
+        self.stream, self.total = stream, total
+        self.every = max(1, total // 20)
+        self.bar = tqdm(total=total, initial=initial, desc="train-draft", unit="step", file=stream,
+                        dynamic_ncols=True) if stream.isatty() else None
+
+    def update(self, step: int, stats: dict[str, str]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(stats, refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0 or step == self.total:
+            self.message(f"step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in stats.items()))
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

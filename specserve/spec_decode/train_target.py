@@ -1,0 +1,74 @@
+"""The target's side of `specserve train-draft`: loading it, and its hidden states and next-token
+distributions over one conversation at a time, computed as the engine computes them (our model
+through a ModelExecutor over a KV cache sized for one sequence), so the head trains on exactly the
+hidden states it is given when serving.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specserve.engine.executor import ModelExecutor
+from specserve.models.layers.attention import get_attention_backend
+from specserve.models.loader import LoadedModel, load_model
+from specserve.spec_decode.train_data import Sequence
+
+BLOCK_SIZE = 16
+
+
+def load_target(target: str | None, device: torch.device, dtype: str, max_len: int | None) -> LoadedModel:
+    """`target` as `specserve serve` takes it (a HF dir, a .gguf, a hub id); None or "default": the
+    default model. It must be unquantized and have a tokenizer; max_len (None: its own context
+    length) must fit its positions."""
+    if target in (None, "default"):
+        from specserve.models.default_model import ensure_default_model
+
+        target = str(ensure_default_model())
+    loaded = load_model(target, dtype=dtype, device=device, max_positions=max_len)
+    if loaded.quantization:
+        raise ValueError(f"target {target} is quantized ({loaded.quantization}): train-draft needs the float "
+                         "weights (the head is trained on the hidden states of the model it will draft for)")
+    if max_len is not None and max_len > loaded.arch.max_position_embeddings:
+        raise ValueError(f"--max-len {max_len} exceeds the target's {loaded.arch.max_position_embeddings} positions")
+    if loaded.tokenizer is None:
+        raise ValueError(f"target {target} has no tokenizer: train-draft renders conversations with its chat template")
+    loaded.model.requires_grad_(False)
+    return loaded
+
+
+class TargetFeatures:
+    """Per sequence: the target's hidden states (the output of its final norm, what
+    `ModelExecutor.forward` returns) and its log-probabilities / argmax at the label rows."""
+
+    def __init__(self, loaded: LoadedModel, device: torch.device, max_len: int, draft_vocab: torch.Tensor) -> None:
+        num_blocks = -(-max_len // BLOCK_SIZE)
+        self.executor = ModelExecutor(loaded.model, get_attention_backend("auto", device), device, loaded.dtype,
+                                      BLOCK_SIZE, num_blocks)
+        self.device = device
+        self.draft_vocab = draft_vocab  # [Vd] target ids, on device
+        # the head learns in fp32 on the CPU (bf16 autocast on CUDA takes any input dtype)
+        self.hidden_dtype = torch.float32 if device.type == "cpu" else loaded.dtype
+
+    def _forward(self, token_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(token_ids)
+        ids = torch.from_numpy(token_ids.astype(np.int64)).to(self.device)
+        hidden = self.executor.forward_tokens(ids, [n], [n], [list(range(-(-n // BLOCK_SIZE)))])
+        return ids, hidden
+
+    def labelled(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [N], hidden [N, h], target log-probs [R, Vd] at the R label rows, draft columns)."""
+        with torch.inference_mode():
+            ids, hidden = self._forward(seq.token_ids)
+            rows = torch.from_numpy(seq.labels).to(self.device).nonzero().squeeze(1)
+            logp = torch.log_softmax(self.executor.compute_logits(hidden[rows]), dim=-1)[:, self.draft_vocab]
+        # out of inference mode: tensors autograd may use
+        return ids.clone(), hidden.to(self.hidden_dtype, copy=True), logp.clone()
+
+    def greedy(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [N], hidden [N, h], target argmax [N]: -1 except at label rows)."""
+        with torch.inference_mode():
+            ids, hidden = self._forward(seq.token_ids)
+            labels = torch.from_numpy(seq.labels).to(self.device)
+            argmax = torch.full_like(ids, -1)
+            argmax[labels] = self.executor.compute_logits(hidden[labels]).argmax(dim=-1)
+        return ids.clone(), hidden.to(self.hidden_dtype, copy=True), argmax.clone()

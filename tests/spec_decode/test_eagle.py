@@ -1,0 +1,242 @@
+"""EAGLE heads: the training forward is exactly chain drafting; greedy output with an EAGLE head is
+the target's token for token (fp32: k 1/3/5, prefix hits, chunked prefill, preemption, mixed
+greedy / random batches, async scheduling); random sampling keeps the target's distribution;
+heads that do not fit the target are refused."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.engine.executor import ModelExecutor
+from specserve.models.layers.attention import get_attention_backend
+from specserve.models.loader import load_model
+from specserve.spec_decode.eagle_head import EagleHead, _shift, head_config, load_head, save_head
+from tests.spec_decode.conftest import VOCAB, spec_prompts
+from tests.spec_decode.test_greedy_identity import ENGINE_ARGS, reference
+
+CPU = torch.device("cpu")
+MAX_NEW = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _target(model_dir):
+    return load_model(str(model_dir), dtype="float32", device=CPU)
+
+
+def _executor(model, num_blocks: int = 16, block_size: int = 8) -> ModelExecutor:
+    return ModelExecutor(model, get_attention_backend("torch", CPU), CPU, torch.float32, block_size, num_blocks)
+
+
+def _hidden(target, ids: list[int]) -> torch.Tensor:
+    """The target's last hidden states over one sequence, as the engine gives them to a head."""
+    ex = _executor(target.model)
+    with torch.inference_mode():
+        out = ex.forward_tokens(ids, [len(ids)], [len(ids)], [list(range(ex.kv_cache.shape[2]))])
+    return out.clone()
+
+
+def _random_head(target, seed: int = 0, scale: float = 0.2) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(head_config(target.arch), 512, torch.arange(target.arch.vocab_size))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, scale) if p.dim() > 1 else p.normal_(1.0, 0.1)
+    head.attach(target.model)
+    return head
+
+
+def _greedy_sequences(target_dir, num: int, length: int, seed: int) -> list[list[int]]:
+    """Prompts and the target's own greedy continuations: what a trained head learns to predict."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 12))] for _ in range(num)]
+    llm = LLM(str(target_dir), dtype="float32", device="cpu")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True))
+    return [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)]
+
+
+@pytest.fixture(scope="session")
+def trained_head_dir(tiny_llama_dir, tmp_path_factory):
+    """A head trained briefly on the tiny target's own greedy text (the training-time test at
+    depth 3): it agrees with the target often but not always."""
+    target = _target(tiny_llama_dir)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    seqs = _greedy_sequences(tiny_llama_dir, 24, 40, seed=1)
+    data = [(torch.tensor(s), _hidden(target, s)) for s in seqs]
+    labels = [target.model.compute_logits(h).argmax(-1) for _, h in data]
+    head = _random_head(target, seed=3, scale=0.05)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for epoch in range(6):
+        for (ids, hidden), label in zip(data, labels):
+            outs = head.train_forward(ids, hidden, depth=3)
+            loss = sum(0.8 ** d * torch.nn.functional.cross_entropy(head.compute_logits(g)[d:-1], label[d:-1])
+                       for d, g in enumerate(outs))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    out = tmp_path_factory.mktemp("eagle-head")
+    return save_head(head, out)
+
+
+def eagle_config(head_dir, k: int, **extra) -> dict:
+    return dict(method="eagle", model=str(head_dir), num_speculative_tokens=k, **{"adaptive": False, **extra})
+
+
+def generate(model_dir, args: str, params=GREEDY, **spec_args):
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", **ENGINE_ARGS[args], **spec_args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], params)
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+# -- the training forward is chain drafting --------------------------------------------------------
+def test_train_forward_is_chain_drafting(tiny_llama_dir):
+    """Row j at depth d of `train_forward` equals what the paged head computes when a chain starts
+    from the real entries up to j - d and feeds its own outputs d times (tokens teacher-forced)."""
+    target = _target(tiny_llama_dir)
+    head = _random_head(target)
+    ids = [5, 17, 33, 8, 91, 240, 12, 7, 64, 100, 3, 55, 19, 250]
+    hidden = _hidden(target, ids)
+    depth = 4
+    with torch.no_grad():
+        dense = head.train_forward(torch.tensor(ids), hidden, depth)
+    shifted = _shift(hidden)
+    for m in (0, 3, 8):
+        ex = _executor(head)
+        table = [list(range(ex.kv_cache.shape[2]))]
+        with torch.inference_mode():
+            g = ex.forward_tokens(ids[:m + 1], [m + 1], [m + 1], table, hidden_states=shifted[:m + 1])
+            torch.testing.assert_close(g, dense[0][:m + 1], atol=1e-5, rtol=1e-5)
+            out = g[-1:]
+            for d in range(1, depth):
+                j = m + d
+                out = ex.forward_tokens([ids[j]], [1], [j + 1], table, hidden_states=out)
+                torch.testing.assert_close(out[0], dense[d][j], atol=1e-5, rtol=1e-5)
+
+
+# -- greedy identity --------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_identity_mixed_batch(tiny_llama_dir, trained_head_dir, k):
+    llm, got = generate(tiny_llama_dir, "mixed", speculative_config=eagle_config(trained_head_dir, k))
+    assert got == reference(tiny_llama_dir, "mixed")
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] > 0, "the batch was meant to hit the prefix cache"
+    assert stats["spec_decode_num_drafts"] > 0
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
+def test_greedy_identity_under_preemption(tiny_llama_dir, trained_head_dir):
+    llm, got = generate(tiny_llama_dir, "preempt", speculative_config=eagle_config(trained_head_dir, 3))
+    assert got == reference(tiny_llama_dir, "preempt")
+    assert llm.engine.scheduler.num_preemptions > 0, "the test meant to force preemption"
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_greedy_identity_with_adaptive_k_and_async_steps(tiny_llama_dir, trained_head_dir):
+    """Adaptive k switches drafting on and off; steps without drafts may run ahead on the device
+    (the head's KV still follows them) and the output does not move."""
+    calls = {"skip": 0}
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"],
+              speculative_config=eagle_config(trained_head_dir, 3, adaptive=True, compute_bound_tokens=4))
+    proposer = llm.engine.proposer
+    skip = proposer.skip
+
+    def counting_skip(*args):
+        calls["skip"] += 1
+        return skip(*args)
+
+    proposer.skip = counting_skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference(tiny_llama_dir, "mixed")
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_acceptance_is_real(tiny_llama_dir, trained_head_dir):
+    """The trained head predicts the target's text: most drafts are accepted (a random head: almost none)."""
+    llm, _ = generate(tiny_llama_dir, "mixed", speculative_config=eagle_config(trained_head_dir, 3))
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0.3 * stats["spec_decode_num_draft_tokens"]
+
+
+# -- random sampling --------------------------------------------------------------------------------
+def test_mixed_greedy_and_random_batch(tiny_llama_dir, trained_head_dir):
+    """Greedy rows keep the reference output while random rows in the same batches sample."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"],
+              speculative_config=eagle_config(trained_head_dir, 3))
+    prompts = spec_prompts()
+    params = [GREEDY if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=MAX_NEW,
+                                                       ignore_eos=True) for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ref = reference(tiny_llama_dir, "mixed")
+    for i, o in enumerate(outs):
+        if i % 2 == 0:
+            assert o.outputs[0].token_ids == ref[i]
+        else:
+            assert len(o.outputs[0].token_ids) == MAX_NEW
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_random_sampling_keeps_the_target_distribution(tiny_llama_dir, trained_head_dir):
+    """The distribution of sampled tokens with EAGLE drafts equals the target's own: a two-sample
+    chi-square test on the joint counts of output tokens 2 and 3 (the ones drafts decide; top-k 5
+    keeps the cells few); enough drafts of the run were accepted, or the test would prove little."""
+    prompt = {"prompt_token_ids": [5, 17, 33, 8, 91]}
+    n = 600
+    params = [SamplingParams(temperature=1.0, top_k=5, seed=i, max_tokens=4, ignore_eos=True) for i in range(n)]
+
+    def sample(**spec):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=64, **spec)
+        got = [tuple(o.outputs[0].token_ids[1:3]) for o in llm.generate([prompt] * n, params)]
+        return got, llm.engine.stats()
+
+    plain, _ = sample()
+    spec, stats = sample(speculative_config=eagle_config(trained_head_dir, 2))
+    assert stats["spec_decode_num_draft_tokens"] >= n
+    assert stats["spec_decode_num_accepted_tokens"] > 0.1 * stats["spec_decode_num_draft_tokens"]
+    from collections import Counter
+
+    a, b = Counter(plain), Counter(spec)
+    keys = [key for key in set(a) | set(b) if a[key] + b[key] >= 10]
+    rest_a = n - sum(a[key] for key in keys)
+    rest_b = n - sum(b[key] for key in keys)
+    cells = [(a[key], b[key]) for key in keys] + [(rest_a, rest_b)]
+    chi2 = sum((x - y) ** 2 / (x + y) for x, y in cells if x + y > 0)
+    dof = len(cells) - 1
+    assert dof >= 4, "the test needs a spread distribution"
+    # 99.9% quantile of chi-square is below dof + 3.3 * sqrt(2 dof) + 10 for these dof
+    assert chi2 < dof + 3.3 * (2 * dof) ** 0.5 + 10, (chi2, dof)
+
+
+# -- heads that do not fit --------------------------------------------------------------------------
+def test_head_for_another_target_is_refused(tiny_llama_dir, tiny_qwen2_dir, trained_head_dir):
+    with pytest.raises(ValueError, match="vocabulary|hidden size"):
+        LLM(str(tiny_qwen2_dir), dtype="float32", device="cpu",
+            speculative_config=eagle_config(trained_head_dir, 3))
+
+
+def test_bad_head_directories_are_refused(tiny_llama_dir, trained_head_dir, tmp_path):
+    with pytest.raises(ValueError, match="EAGLE head not found"):
+        LLM(str(tiny_llama_dir), device="cpu", speculative_config=eagle_config(tmp_path / "nope", 3))
+    with pytest.raises(ValueError, match="not an EAGLE head|EAGLE head not found"):
+        load_head(tiny_llama_dir, dtype=torch.float32, device=CPU, max_positions=64)
+    broken = tmp_path / "broken"
+    shutil.copytree(trained_head_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["hidden_size"] = 96
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="do not match its config"):
+        load_head(broken, dtype=torch.float32, device=CPU, max_positions=64)
+    with pytest.raises(ValueError, match="eagle3"):
+        LLM(str(tiny_llama_dir), device="cpu", speculative_config={"method": "eagle3", "model": str(trained_head_dir)})
+
+
+def test_method_is_inferred_from_a_head_directory(tiny_llama_dir, trained_head_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", speculative_config={"model": str(trained_head_dir)})
+    assert type(llm.engine.proposer).__name__ == "EagleProposer"

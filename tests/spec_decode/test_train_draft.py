@@ -1,0 +1,230 @@
+"""`specserve train-draft`: a head trained on a tiny random target with a character tokenizer."""
+from __future__ import annotations
+
+import io
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.models.layers.attention import get_attention_backend
+from specserve.models.loader import load_model
+from specserve.engine.step_inputs import batch_metadata
+from specserve.spec_decode import train_data
+from specserve.spec_decode.eagle_head import load_head
+from specserve.spec_decode.train import STATE_FILE, SUMMARY_FILE, TrainConfig, build_head, sequence_loss, train
+from specserve.spec_decode.train_eval import EvalSet, acceptance
+from specserve.spec_decode.train_target import TargetFeatures
+from tests.server.harness import add_char_tokenizer
+
+WORDS = "the cat sat on a mat and then it ran to the big red house where a dog slept all day".split()
+DEPTH = 3
+
+
+@pytest.fixture(scope="module")
+def chat_target(tiny_llama_dir, tmp_path_factory) -> Path:
+    return add_char_tokenizer(tiny_llama_dir, tmp_path_factory.mktemp("train-target"))
+
+
+def _conversations(num: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    records = []
+    for i in range(num):
+        turns = []
+        for _ in range(rng.randint(1, 2)):
+            turns += [{"from": "human", "value": text(2, 5)}, {"from": "gpt", "value": text(4, 10)}]
+        records.append({"id": str(i), "conversations": turns})
+    return records
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("train-data") / "chats.json"
+    path.write_text(json.dumps(_conversations(14)))
+    return path
+
+
+def _config(target: Path, data: Path, out: Path, **overrides) -> TrainConfig:
+    options = dict(max_len=64, eval_conversations=4, batch_size=2, max_steps=5, ttt_depth=DEPTH, lr=3e-3,
+                   eval_every=2, save_every=2, device="cpu", seed=3)
+    return TrainConfig(str(target), str(data), str(out), **{**options, **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained(chat_target, chat_data, tmp_path_factory) -> tuple[TrainConfig, dict]:
+    cfg = _config(chat_target, chat_data, tmp_path_factory.mktemp("train-out") / "head")
+    progress = io.StringIO()
+    summary = train(cfg, stream=progress)
+    assert "step 2: held-out mean acceptance length" in progress.getvalue()
+    return cfg, summary
+
+
+def test_data_masks_the_assistant_tokens(chat_target, tmp_path):
+    """ShareGPT with a broken tail and OpenAI messages in JSONL: the labels are exactly the answers."""
+    tok = load_model(str(chat_target), device=torch.device("cpu"), dtype="float32").tokenizer
+    good = json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "a cat"},
+                                         {"from": "human", "value": "and?"}, {"from": "gpt", "value": "a dog"}]})
+    broken = tmp_path / "cut.json"
+    broken.write_text(f'[{good},\n {{"conversations": [{{"from": "human", "val')
+    lines = tmp_path / "chats.jsonl"
+    lines.write_text(json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": "yo"},
+                                              {"role": "assistant", "content": "sup"}]}) + "\n"
+                     + json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
+    [cut] = train_data.read_conversations(broken)
+    [msgs] = train_data.read_conversations(lines)
+    assert [m["role"] for m in cut] == ["user", "assistant", "user", "assistant"]
+    for convo, answers in ((cut, [" a cat", " a dog"]), (msgs, [" sup"])):
+        [seq] = train_data.render_all(tok, [convo], max_len=200)
+        ids = seq.token_ids
+        labelled = tok.decode(ids[1:][seq.labels[:-1]].tolist())
+        assert labelled == "".join(answers)
+    [short] = train_data.render_all(tok, [cut], max_len=21)  # truncation keeps the answer's first tokens
+    assert len(short.token_ids) == 21 and tok.decode(short.token_ids[1:][short.labels[:-1]].tolist()) == " a"
+
+
+def test_draft_vocabulary_is_the_most_frequent_labels_and_eos():
+    counts = {5: 10, 7: 30, 9: 20, 11: 1}
+    ids, coverage = train_data.draft_vocabulary(counts, 3, 16, eos_token_ids=[2])
+    assert ids == [2, 7, 9] and coverage == pytest.approx(50 / 61)
+    with pytest.raises(ValueError, match="out of range: 1..16"):
+        train_data.draft_vocabulary(counts, 17, 16, [2])
+
+
+def test_training_lowers_the_loss_and_saves_a_loadable_head(trained, chat_target):
+    cfg, summary = trained
+    out = Path(cfg.out)
+    loaded = load_model(str(chat_target), device=torch.device("cpu"), dtype="float32")
+    head = load_head(out, dtype=torch.float32, device=torch.device("cpu"), max_positions=64)
+    head.attach(loaded.model)
+    assert head.draft_vocab_size == summary["draft_vocab"]["size"] == 320  # the whole tiny vocabulary
+    assert summary["steps"] == 5 and summary["stopped"] == "done" and len(summary["loss_history"]) == 5
+    # the same sequences score a lower loss under the trained head than under the head it started as
+    seqs = [s for s in train_data.render_all(loaded.tokenizer, train_data.read_conversations(Path(cfg.data))[:10],
+                                             64) if s is not None]
+    start = build_head(loaded, head.draft_vocab, 64, cfg.init, torch.device("cpu"), cfg.seed)
+    features = TargetFeatures(loaded, torch.device("cpu"), 64, head.draft_vocab)
+
+    def mean_loss(h) -> float:
+        total = 0.0
+        with torch.no_grad():
+            for s in seqs:
+                ids, hidden, logp = features.labelled(s)
+                denominators = [max(1, int(s.labels[d:].sum())) for d in range(DEPTH)]
+                total += float(sequence_loss(h, ids, hidden, logp, torch.from_numpy(s.labels), DEPTH, denominators))
+        return total / len(seqs)
+
+    assert mean_loss(head) < mean_loss(start) - 0.05
+    # the estimate: held-out chains, 1 <= length <= 1 + k, positions never more likely further on, and
+    # the saved head reproduces it
+    est = summary["acceptance"]
+    assert est["k"] == DEPTH and est["num_chains"] > 50 and 1.0 <= est["mean_acceptance_length"] <= 1 + DEPTH
+    assert all(a >= b for a, b in zip(est["per_position"], est["per_position"][1:]))
+    held_out = train_data.render_all(loaded.tokenizer, train_data.read_conversations(Path(cfg.data))[-4:], 64)
+    again = acceptance(head, EvalSet([s for s in held_out if s is not None], features), DEPTH)
+    assert again.as_dict() == est
+    written = json.loads((out / SUMMARY_FILE).read_text())
+    assert written["data"]["train_conversations"] == 10 and written["data"]["eval_conversations"] == 4
+    assert written["draft_vocab"]["coverage"] == 1.0 and written["device"] == "cpu"
+
+
+def test_estimate_is_chain_drafting_through_the_kv_cache(trained, chat_target):
+    """The estimate's training-time-test replay equals drafting with the head's inference forward
+    (its own KV cache, one entry per step, its own output as the next hidden input)."""
+    cfg, _ = trained
+    cpu = torch.device("cpu")
+    loaded = load_model(str(chat_target), device=cpu, dtype="float32")
+    head = load_head(cfg.out, dtype=torch.float32, device=cpu, max_positions=64)
+    head.attach(loaded.model)
+    head.backend = get_attention_backend("torch", cpu)
+    features = TargetFeatures(loaded, cpu, 64, head.draft_vocab)
+    [seq] = train_data.render_all(loaded.tokenizer, train_data.read_conversations(Path(cfg.data))[-1:], 64)
+    ids, hidden, target_argmax = features.greedy(seq)
+    n = len(ids)
+    with torch.no_grad():
+        replay = head.train_forward(ids, hidden, DEPTH)
+        shifted = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+        for m in range(0, n - DEPTH + 1, 7):
+            kv = [torch.zeros(2, 8, 16, head.cfg.num_kv_heads, head.cfg.head_dim)]
+            g = _head_step(head, kv, ids[:m + 1], shifted[:m + 1], 0, m + 1)[-1:]
+            for d in range(DEPTH):
+                if d:
+                    g = _head_step(head, kv, ids[m + d:m + d + 1], g, m + d, m + d + 1)
+                torch.testing.assert_close(g[0], replay[d][m + d], atol=2e-5, rtol=1e-4)
+
+
+def _head_step(head, kv, token_ids, hidden, start: int, seq_len: int) -> torch.Tensor:
+    positions, meta, _ = batch_metadata([len(token_ids)], [seq_len], [list(range(8))], 16, torch.device("cpu"))
+    head.backend.prepare(meta)
+    return head(token_ids, positions, kv, meta, hidden)
+
+
+def test_resume_continues_the_same_run(trained, chat_target, chat_data, tmp_path):
+    cfg, summary = trained
+    out = tmp_path / "resumed"
+    devnull = io.StringIO()
+    first = train(_config(chat_target, chat_data, out, stop_after_steps=3), stream=devnull)
+    assert first["steps"] == 3 and first["stopped"] == "stop_after_steps"
+    assert load_head(out, dtype=torch.float32, device=torch.device("cpu"), max_positions=64) is not None
+    rest = train(_config(chat_target, chat_data, out, resume=True), stream=devnull)
+    assert rest["steps"] == 5 and rest["steps_this_run"] == 2
+    np.testing.assert_allclose(rest["loss_history"], summary["loss_history"], rtol=1e-5)
+    ours = torch.load(out / STATE_FILE, weights_only=False)["head"]
+    theirs = torch.load(Path(cfg.out) / STATE_FILE, weights_only=False)["head"]
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, atol=1e-6, rtol=1e-5)
+    assert rest["acceptance"] == summary["acceptance"]
+
+
+def test_bad_inputs_give_clear_errors(trained, chat_target, chat_data, tmp_path):
+    cfg, _ = trained
+    devnull = io.StringIO()
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps([{"conversations": [{"from": "human", "value": "only a question"}]}] * 3))
+    cases = [
+        (_config(tmp_path / "no" / "such" / "model", chat_data, tmp_path / "a"), "model not found"),
+        (_config(chat_target, tmp_path / "missing.json", tmp_path / "b"), "data file not found"),
+        (_config(chat_target, empty, tmp_path / "c", eval_conversations=0), "no usable conversations"),
+        (_config(chat_target, chat_data, tmp_path / "d", draft_vocab_size=1000), "out of range: 1..320"),
+        (_config(chat_target, chat_data, tmp_path / "e", max_len=4096), "exceeds the target's 512"),
+        (_config(chat_target, chat_data, tmp_path / "f", resume=True), "holds no checkpoint"),
+        (_config(chat_target, chat_data, cfg.out), "already holds a training checkpoint"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            train(bad, stream=devnull)
+    other = tmp_path / "other"
+    shutil.copytree(cfg.out, other)
+    with pytest.raises(ValueError, match="another target or shape.*draft_vocab_size 320, this run 100"):
+        train(_config(chat_target, chat_data, other, draft_vocab_size=100, resume=True), stream=devnull)
+    with pytest.raises(ValueError, match="--batch-size 3 \\(checkpoint: 2\\)"):
+        train(_config(chat_target, chat_data, other, batch_size=3, resume=True), stream=devnull)
+    with pytest.raises(ValueError, match="--ttt-depth must be at least 1"):
+        _config(chat_target, chat_data, tmp_path / "g", ttt_depth=0)
+
+
+def test_cli_trains_and_prints_progress(chat_target, chat_data, tmp_path):
+    out = tmp_path / "cli-head"
+    cmd = [sys.executable, "-m", "specserve.cli", "train-draft", str(chat_target), "--data", str(chat_data),
+           "--out", str(out), "--max-steps", "2", "--batch-size", "2", "--eval-conversations", "2",
+           "--eval-every", "1", "--max-len", "48", "--device", "cpu", "--threads", "1", "--ttt-depth", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 1: held-out mean acceptance length" in proc.stderr and "step 2/2 loss" in proc.stderr
+    assert f"{out}: 2 steps" in proc.stdout and "held-out mean acceptance length" in proc.stdout
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["command"][:3] == ["specserve", "train-draft", str(chat_target)]
+    assert (out / "model.safetensors").is_file() and summary["steps"] == 2
+    bad = subprocess.run(cmd[:5] + ["--data", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert bad.returncode == 2 and "specserve: error: data file not found" in bad.stderr
