@@ -5,6 +5,7 @@
     python bench/gpu_e2e.py vllm --out r.json        # vLLM's LLM on the same workload (PYTHONPATH: vLLM)
     python bench/gpu_e2e.py hf --out r.json          # HF transformers generate, same shape/workload
     python bench/gpu_e2e.py bandwidth --out r.json   # measured copy bandwidth -> batch-1 roofline
+    python bench/gpu_e2e.py specserve --tensor-parallel-size 2 --out r.json  # (and vllm) over 2 GPUs
 
 Workload (both engines): `--requests` requests of `--prompt-len` random prompt tokens, exactly
 `--new-tokens` output tokens each (ignore_eos / min_new_tokens), greedy.
@@ -41,15 +42,16 @@ def bench_specserve(args) -> dict:
     from specserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    tp = {"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size > 1 else {}
     if args.no_flags:  # what a user who passes nothing but the (dummy) model gets
-        llm = LLM(args.model, load_format="dummy")
+        llm = LLM(args.model, load_format="dummy", **tp)
     else:
         llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device=args.device,
                   max_model_len=args.max_model_len, max_num_seqs=max(args.requests, 1),
                   max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
                   async_scheduling=args.async_scheduling,
                   gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
-                  enable_prefix_caching=args.enable_prefix_caching)
+                  enable_prefix_caching=args.enable_prefix_caching, **tp)
     startup = time.perf_counter() - t0
     vocab = llm.engine.loaded.arch.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -59,7 +61,8 @@ def bench_specserve(args) -> dict:
               "attention_backend": llm.engine.runner.target.backend.name,
               "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
               "max_num_seqs": llm.engine.config.scheduler.max_num_seqs, "no_flags": args.no_flags,
-              "startup_s": startup, "warmup_s": llm.engine.warmup_seconds}
+              "startup_s": startup, "warmup_s": llm.engine.warmup_seconds,
+              "tensor_parallel_size": args.tensor_parallel_size}
     # the first batch right after start-up, timed (no warm-up of ours before it: the engine's own)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts(args.requests, args.prompt_len, vocab, 97)], params)
@@ -92,6 +95,7 @@ def bench_specserve(args) -> dict:
         tps.append(args.requests * args.new_tokens / elapsed)
     result["throughput_tok_s"] = statistics.median(tps)
     result["throughput_runs"] = tps
+    llm.shutdown()
     return result
 
 
@@ -108,8 +112,8 @@ def bench_vllm(args) -> dict:
     shutil.copy(dummy_config_path(args.model), model_dir / "config.json")
     t0 = time.perf_counter()
     llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              gpu_memory_utilization=args.gpu_memory_utilization)
-    result = {"startup_s": time.perf_counter() - t0}
+              gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
+    result = {"startup_s": time.perf_counter() - t0, "tensor_parallel_size": args.tensor_parallel_size}
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
 
@@ -162,6 +166,8 @@ def main() -> None:
                     help="specserve: LLM(model, load_format='dummy') and nothing else (its defaults)")
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="specserve and vllm: shard the model over this many GPUs (docs/tensor_parallel.md)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)

@@ -55,11 +55,14 @@ def iter_json_array(text: str) -> Iterator[dict]:
         yield obj
 
 
-def sharegpt_conversations(limit: int | None = None) -> list[tuple[str, str]]:
-    """(first human turn, first model reply) pairs, in file order."""
+def sharegpt_conversations(limit: int | None = None, skip: int = 0) -> list[tuple[str, str]]:
+    """(first human turn, first model reply) pairs, in file order, after the first `skip`
+    conversations of the file (e.g. those a draft head was trained on)."""
     text = _member(*SHAREGPT).decode("utf-8", errors="replace")
     pairs = []
-    for conv in iter_json_array(text):
+    for i, conv in enumerate(iter_json_array(text)):
+        if i < skip:
+            continue
         turns = conv.get("conversations") or []
         if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
             if turns[0]["value"].strip() and turns[1]["value"].strip():

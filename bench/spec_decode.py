@@ -65,7 +65,7 @@ def load_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
                for t in humaneval_prompts()]
         out["humaneval"] = [p for p in ids if len(p) <= args.max_prompt_len][:need]
     if "sharegpt" in args.datasets:
-        texts = [h for h, _ in sharegpt_conversations(limit=4 * need)]
+        texts = [h for h, _ in sharegpt_conversations(limit=4 * need, skip=args.sharegpt_skip)]
         ids = [tokenizer.encode(chat(t), add_special_tokens=False) for t in texts]
         out["sharegpt"] = [p for p in ids if len(p) <= args.max_prompt_len][:need]
     return out
@@ -116,16 +116,25 @@ def configs(args) -> list[tuple[str, dict | None]]:
     base = dict(num_speculative_tokens=k, adaptive=not args.no_adaptive)
     if args.compute_bound_tokens:
         base["compute_bound_tokens"] = args.compute_bound_tokens
-    if args.device == "cpu" or not args.draft_model:
+    if args.load_format != "dummy":
         out = [("none", None), ("ngram", dict(base, method="ngram", prompt_lookup_max=args.prompt_lookup_max))]
+        if args.no_ngram:
+            out.pop()
         if args.draft_model:
             out.append(("draft", dict(base, method="draft_model", model=args.draft_model,
                                       load_format=args.load_format)))
+        if args.eagle:
+            out.append(("eagle", dict(base, method="eagle", model=args.eagle)))
         return out
-    draft = dict(base, method="draft_model", load_format="dummy")
-    out = [("none", None), ("draft=target", dict(draft, model=args.model))]
-    out += [(f"draft sim {a}", dict(draft, model=args.draft_model, simulated_acceptance=a))
-            for a in args.simulated_acceptance]
+    out = [("none", None)]
+    if args.eagle:  # a random head of the target's shape, accepting at the given rate per position
+        out.append(("eagle sim", dict(base, method="eagle", load_format="dummy",
+                                      simulated_acceptance=args.eagle_acceptance)))
+    if args.draft_model:
+        draft = dict(base, method="draft_model", load_format="dummy")
+        out.append(("draft=target", dict(draft, model=args.model)))
+        out += [(f"draft sim {a}", dict(draft, model=args.draft_model, simulated_acceptance=a))
+                for a in args.simulated_acceptance]
     return out
 
 
@@ -188,8 +197,9 @@ def build_setups(args, group, engine_args) -> list[Setup]:
     setups, shared = [], None
     for name, spec in group:
         if args.device == "cpu" and (spec is None or spec["method"] == "ngram"):
-            if shared is None:
-                shared = LLM(args.model, speculative_config=dict(configs(args)[1][1]), **engine_args)
+            if shared is None:  # with n-gram's proposer, unless n-gram is left out
+                ngram = next((dict(c) for _, c in configs(args) if c is not None and c["method"] == "ngram"), None)
+                shared = LLM(args.model, speculative_config=ngram, **engine_args)
             llm = shared
             proposer = None if spec is None else shared.engine.proposer
         else:
@@ -218,6 +228,13 @@ def main() -> int:
     ap.add_argument("--no-adaptive", action="store_true")
     ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")
     ap.add_argument("--simulated-acceptance", type=float, nargs="+", default=[0.6, 0.8])
+    ap.add_argument("--eagle", default=None, help="an EAGLE head directory (with dummy weights: any value, "
+                    "a random head accepting at --eagle-acceptance)")
+    ap.add_argument("--eagle-acceptance", type=float, nargs="+", default=[0.8],
+                    help="dummy weights: the head's acceptance rate per draft position (BENCHMARK-ONLY replay)")
+    ap.add_argument("--no-ngram", action="store_true", help="leave the n-gram setup out")
+    ap.add_argument("--sharegpt-skip", type=int, default=0,
+                    help="ShareGPT prompts from after the first N conversations (held out from a head's training)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of each speculative setup per level below c=32, each between two baseline runs")

@@ -82,6 +82,8 @@ def _add_train_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="auto (default: cuda if present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the target's dtype (default auto); the head learns in fp32 (bf16 autocast on CUDA)")
+    p.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"],
+                   help="the saved head's weights (default bfloat16; the checkpoint keeps fp32)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     p.set_defaults(func=cmd_train_draft)
 

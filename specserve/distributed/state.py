@@ -1,5 +1,6 @@
 """The tensor-parallel process groups of one engine: `control` (gloo, host-side: what each rank is
-to run next; it never times out, since a worker waits on it while the engine is idle) and `model`
+to run next; it never times out, since a worker waits on it while the engine is idle: rank 0 bounds its
+own waits on it, workers.py) and `model`
 (NCCL on GPUs, gloo on the CPU: the model's all-reduces and gathers, and the step's tensors; a
 collective that waits past `timeout_s` fails)."""
 from __future__ import annotations

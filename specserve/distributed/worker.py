@@ -64,15 +64,14 @@ def _exit_with_parent(parent_pid: int) -> None:
 @torch.inference_mode()
 def _serve(group, model, dtype: torch.dtype) -> None:
     from specserve.distributed.executor import packed_size, unpack_forward
+    from specserve.distributed.workers import receive_header
     from specserve.engine.executor import ModelExecutor
     from specserve.models.layers.attention import get_attention_backend
 
     device = group.device
     executor = None
-    box = [None]
     while True:
-        dist.broadcast_object_list(box, src=0, group=group.control)
-        header = box[0]
+        header = receive_header(group.control)
         op = header[0]
         if op == "forward":
             packed = _receive(group, (packed_size(header),), torch.int64)

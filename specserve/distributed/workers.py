@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Iterator
+from datetime import timedelta
 from multiprocessing import connection
 
 import torch
@@ -40,6 +42,7 @@ from specserve.engine.executor import ExecutorDeadError
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+HEADER_BYTES = 4096  # a call's header fits in one broadcast of this size unless the step is large
 NAME_WAIT_S = 3.0  # how long a failed call waits for the watcher to name a dead worker
 
 
@@ -50,9 +53,11 @@ class WorkerGroup:
         size = config.parallel.tensor_parallel_size
         set_nccl_env()
         self.size = size
+        self.timeout_s = config.parallel.timeout_s
         self.failure: str | None = None
         self.group: TPGroup | None = None
         self._stopping = False
+        self._fail_lock = threading.Lock()
         self._errors: dict[int, str] = {}
         self._dir = tempfile.mkdtemp(prefix="specserve-tp-")
         rendezvous = f"file://{self._dir}/rendezvous"
@@ -122,6 +127,11 @@ class WorkerGroup:
                     return
 
     def _fail(self, rank: int) -> None:
+        with self._fail_lock:  # the watcher and a failed call may both get here
+            if self.failure is None:
+                self._name_failure(rank)
+
+    def _name_failure(self, rank: int) -> None:
         proc, conn = self.procs[rank], self.conns[rank]
         proc.join(1)
         with contextlib.suppress(EOFError, OSError):
@@ -143,7 +153,7 @@ class WorkerGroup:
                 _abort_process_group(self.group.model)
         for proc in self.procs.values():
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()  # out of step with rank 0: nothing of theirs is worth a clean exit
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -154,26 +164,32 @@ class WorkerGroup:
         try:
             yield
         except Exception as e:
-            deadline = time.monotonic() + NAME_WAIT_S
-            while self.failure is None and time.monotonic() < deadline \
-                    and all(p.is_alive() for p in self.procs.values()):
+            deadline = time.monotonic() + NAME_WAIT_S  # let the watcher name a worker that died
+            while self.failure is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.1)  # a worker that just exited: let the watcher read its exit and message
             if self.failure is None:
                 dead = [r for r, p in self.procs.items() if not p.is_alive()]
                 if dead:
                     self._fail(dead[0])
                 else:
-                    self.failure = (f"a tensor-parallel call failed on rank 0 ({type(e).__name__}: {e}); "
-                                    "the ranks are out of step")
+                    hung = "timed out" in str(e).lower()
+                    what = (f"a collective timed out after {self.timeout_s:g}s: a worker hangs (ranks "
+                            f"{', '.join(map(str, self.procs))} are alive but did not answer)" if hung else
+                            "a tensor-parallel call failed on rank 0; the ranks are out of step")
+                    with self._fail_lock:
+                        self.failure = self.failure or f"{what} ({type(e).__name__}: {e})"
                     logger.error("%s; the engine stops", self.failure)
                     self._abort_collectives()
             raise ExecutorDeadError(self.failure) from e
 
     # -- calls ---------------------------------------------------------------------------------
     def call(self, header: tuple, tensor: torch.Tensor | None = None) -> None:
-        """Tell every worker what to run next (and send it `tensor` over the model group)."""
-        dist.broadcast_object_list([header], src=0, group=self.group.control)
+        """Tell every worker what to run next (and send it `tensor` over the model group). The host
+        group never times out (idle workers wait on it), so rank 0 bounds its own wait: a worker that
+        does not take the header within `timeout_s` hangs."""
+        for part in encode_header(header):
+            work = dist.broadcast(part, src=0, group=self.group.control, async_op=True)
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
         if tensor is not None:
             dist.broadcast(tensor, src=0, group=self.group.model)
 
@@ -186,13 +202,38 @@ class WorkerGroup:
         if self.group is not None and self.failure is None and all(p.is_alive() for p in self.procs.values()):
             with contextlib.suppress(Exception):
                 self.call(("shutdown",))
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            proc.join(max(0.1, deadline - time.monotonic()))
+                deadline = time.monotonic() + timeout
+                for proc in self.procs.values():
+                    proc.join(max(0.1, deadline - time.monotonic()))
         _reap(list(self.procs.values()))
         self._finalizer.detach()
         destroy_tp_group()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def encode_header(header: tuple) -> list[torch.Tensor]:
+    """A call's header as uint8 tensors: one of HEADER_BYTES (8-byte length + the pickle's start), and
+    the rest of a longer pickle (a step of many requests) in a second."""
+    data = pickle.dumps(header)
+    first = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    first[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    head = data[:HEADER_BYTES - 8]
+    first[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    rest = data[HEADER_BYTES - 8:]
+    return [first] + ([torch.frombuffer(bytearray(rest), dtype=torch.uint8)] if rest else [])
+
+
+def receive_header(group: dist.ProcessGroup) -> tuple:
+    """A worker's side of `encode_header`: waits (forever) for rank 0's next call."""
+    first = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    dist.broadcast(first, src=0, group=group)
+    size = int.from_bytes(first[:8].numpy().tobytes(), "little")
+    data = first[8:8 + size].numpy().tobytes()
+    if size > HEADER_BYTES - 8:
+        rest = torch.empty(size - (HEADER_BYTES - 8), dtype=torch.uint8)
+        dist.broadcast(rest, src=0, group=group)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
 
 
 def _reap(procs: list) -> None:

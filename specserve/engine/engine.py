@@ -22,7 +22,7 @@ from specserve.engine.messages import ModelInfo, RequestUpdate, SampleUpdate, sa
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import RequestMetrics, RequestOutput
 from specserve.engine.request import Request, RequestStatus
-from specserve.sample.structured import GrammarCompiler, RequestGrammar
+from specserve.sample.structured import GrammarCompiler, GrammarMasks, RequestGrammar
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.metrics import SpecDecodingStats
 
@@ -92,7 +92,8 @@ class LLMEngine:
         first users' requests. The waves: one lone prompt (batch-1 prefill and decode); max_num_seqs
         prompts of 128 tokens at once (a burst of users); max_num_seqs prompts of mixed lengths with
         mixed output lengths (full prefill chunks, chunks beside every number of decodes, decode
-        batches shrinking to one) beside one prompt longer than a chunk; a random-sampling request.
+        batches shrinking to one) beside one prompt longer than a chunk; a random-sampling request;
+        then, on a GPU, one structured-output mask (its Triton kernel).
         Afterwards the prefix cache and the counters are reset, so neither shows the warm-up."""
         t0 = time.perf_counter()
         sc = self.config.scheduler
@@ -120,6 +121,8 @@ class LLMEngine:
                 self.add_request(f"warmup-{k}", prompt(k, n), params)
                 k += 1
             self._finish_warmup_wave()
+        if self.grammars is not None and self.device.type == "cuda":
+            GrammarMasks.warm_up(self.device, vocab)  # structured outputs' mask kernel compiles now
         self.take_failures()
         self.kv_manager.reset_prefix_cache()
         self.kv_manager.prefix_stats = type(self.kv_manager.prefix_stats)()

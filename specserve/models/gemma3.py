@@ -193,3 +193,10 @@ class Gemma3ForCausalLM(nn.Module):
 
 def _stacked_fragment(param_name: str, sizes: dict[str, list[int]]) -> str | None:
     return next((frag for frag in sizes if frag in param_name), None)
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """`<end_of_turn>`, which closes every turn of Gemma's chat format: HF's generation_config of the
+    instruct models and llama.cpp stop there besides `<eos>` (a GGUF file records only the latter)."""
+    token_id = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    return [] if token_id is None or token_id == tokenizer.unk_token_id else [int(token_id)]

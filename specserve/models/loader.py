@@ -278,6 +278,9 @@ def _load_gguf(file: Path, *, dtype: str, device: torch.device, max_positions: i
     net = _build(arch, torch_dtype, build_on, max_positions, 0)
     net.load_weights(hf_model.state_dict().items())
     eos = sorted(set(arch.eos_token_ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])))
+    if arch.architecture == "Gemma3ForCausalLM":  # no generation_config in a GGUF: end turns as llama.cpp does
+        from specserve.models.gemma3 import turn_end_ids
+        eos = sorted(set(eos) | set(turn_end_ids(tokenizer)))
     _quantize(net, device, **quant)
     return LoadedModel(net.eval(), arch, tokenizer, eos, str(file), torch_dtype, quantization)
 

@@ -233,6 +233,12 @@ class GrammarMasks:
         return host[:num_rows]
 
     @staticmethod
+    def warm_up(device: torch.device, vocab_size: int) -> None:
+        """Apply one mask on `device`: on CUDA, xgrammar's Triton kernel compiles on its first call."""
+        logits = torch.zeros(1, vocab_size, device=device)
+        GrammarMasks.apply(logits, torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32), [0])
+
+    @staticmethod
     def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """logits[r] = -inf where bitmask[r] has a 0 bit, for r in `rows`. logits: [N, V] fp32 on
         its device; bitmask: [N, ceil(V / 32)] int32 on the host (copied over here)."""

@@ -58,7 +58,7 @@ class ChatMessage(_Strict):
 class StructuredOutputs(_Strict):
     """A constraint on the output: exactly one field (vLLM's `structured_outputs`; server/constraints.py)."""
 
-    json: str | dict[str, Any] | None = None  # a JSON schema, or its text
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")  # a JSON schema, or its text
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (GBNF syntax: root ::= ...)
@@ -95,7 +95,7 @@ class ResponseParams(_Strict):
         """Raises InputError (`invalid_parameter`) on values SamplingParams refuses. `defaults`: the
         model's sampling defaults (ModelInfo.sampling_defaults) for the fields left out."""
         constraint = None if self.structured_outputs is None else structured_outputs_from(
-            structured_outputs=self.structured_outputs.model_dump(exclude_none=True))
+            structured_outputs=self.structured_outputs.model_dump(by_alias=True, exclude_none=True))
         return to_sampling_params(defaults, n=self.n, temperature=self.temperature, top_p=self.top_p,
                                   top_k=self.top_k, min_p=self.min_p, seed=self.seed, max_tokens=self.max_output_tokens,
                                   stop=self.stop, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt,

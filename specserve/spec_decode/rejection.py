@@ -187,7 +187,12 @@ class RejectionSampler:
         return u
 
     def _simulated(self, num: int, max_k: int, device) -> torch.Tensor:
-        return (torch.rand(num, max_k, generator=self._sim_generator) < self.simulated_acceptance).to(device)
+        """[num, max_k]: draft j accepted (given j-1 was) with the simulated rate of position j (a list
+        gives one per position, its last value repeating past its end)."""
+        rates = self.simulated_acceptance
+        if isinstance(rates, list):
+            rates = torch.tensor([rates[min(j, len(rates) - 1)] for j in range(max_k)])
+        return (torch.rand(num, max_k, generator=self._sim_generator) < rates).to(device)
 
     def _mask_grammars(self, target: torch.Tensor, reqs: Sequence[VerifyRequest], max_k: int) -> list[int] | None:
         """Mask each constrained request's 1 + k rows of target ([R * (K+1), V], in place) with its

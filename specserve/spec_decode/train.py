@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from specserve.spec_decode import train_data
-from specserve.spec_decode.eagle_head import EagleHead, head_config, save_head
+from specserve.spec_decode.eagle_head import WEIGHTS, EagleHead, head_config, save_head
 from specserve.spec_decode.train_eval import Acceptance, EvalSet, acceptance
 from specserve.spec_decode.train_target import TargetFeatures, load_target
 
@@ -42,6 +42,7 @@ DEPTH_WEIGHT = 0.8
 DEFAULT_DRAFT_VOCAB_SIZE = 8192
 DEFAULT_MAX_LEN = 2048
 INITS = ("last-layer", "random")
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # what a resumed run must share with the checkpoint for its data order and schedule to continue
 _RUN_OPTIONS = ("max_len", "max_conversations", "eval_conversations", "draft_vocab_size", "ttt_depth", "lr",
                 "warmup_steps", "batch_size", "epochs", "max_steps", "seed", "init")
@@ -72,6 +73,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
+    save_dtype: str = "bfloat16"  # the saved head's weights (the checkpoint keeps fp32 ones)
     resume: bool = False
 
     def __post_init__(self) -> None:
@@ -86,6 +88,8 @@ class TrainConfig:
             raise ValueError("--eval-conversations and --warmup-steps cannot be negative")
         if not self.lr > 0 or (self.max_minutes is not None and not self.max_minutes > 0):
             raise ValueError("--lr and --max-minutes must be positive")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"--save-dtype {self.save_dtype!r}: choose {', '.join(SAVE_DTYPES)}")
         if self.init not in INITS:
             raise ValueError(f"--init {self.init!r}: choose {' or '.join(INITS)}")
         if self.ttt_depth > 16:
@@ -111,21 +115,8 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
     vocab_size = loaded.arch.vocab_size
     max_len = cfg.max_len or min(DEFAULT_MAX_LEN, loaded.arch.max_position_embeddings)
 
-    conversations = train_data.read_conversations(data_path)
-    if len(conversations) <= cfg.eval_conversations:
-        raise ValueError(f"{data_path} has {len(conversations)} usable conversations: not enough for "
-                         f"--eval-conversations {cfg.eval_conversations} held out and some to train on")
-    num_eval = cfg.eval_conversations
-    train_convs = conversations[:len(conversations) - num_eval][:cfg.max_conversations]
-    eval_convs = conversations[len(conversations) - num_eval:]
-    train_seqs = [s for s in train_data.render_all(loaded.tokenizer, train_convs, max_len) if s is not None]
-    eval_seqs = [s for s in train_data.render_all(loaded.tokenizer, eval_convs, max_len) if s is not None]
-    if not train_seqs:
-        raise ValueError(f"no usable conversations in {data_path}: none of {len(train_convs)} has an assistant "
-                         "turn the target's chat template renders")
-    counts = train_data.label_counts(train_seqs)
-    size = cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
-    draft_vocab, coverage = train_data.draft_vocabulary(counts, size, vocab_size, loaded.eos_token_ids)
+    data = _prepare_data(cfg, data_path, loaded, max_len)
+    train_seqs, eval_seqs, draft_vocab, coverage = data.train, data.eval, data.draft_vocab, data.coverage
     identity = {"target": Path(loaded.path).name, "vocab_size": vocab_size, "hidden_size": loaded.arch.hidden_size,
                 "intermediate_size": loaded.arch.intermediate_size, "num_heads": loaded.arch.num_heads,
                 "draft_vocab_size": len(draft_vocab), "data": train_data.fingerprint(train_seqs)}
@@ -139,7 +130,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
     batches = _batches(len(train_seqs), cfg.batch_size, cfg.epochs, cfg.seed)[:total_steps]
     step, history, elapsed_before = 0, [], 0.0
     if cfg.resume:
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
         _check_resume(state, identity, cfg, out)
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
@@ -151,11 +142,11 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
     features = TargetFeatures(loaded, device, max_len, torch.tensor(draft_vocab, device=device))
     eval_set = EvalSet(eval_seqs, features) if eval_seqs else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    label_rows = [s.labels for s in train_seqs]
 
-    def save(final: bool) -> None:
+    def save() -> None:
         out.mkdir(parents=True, exist_ok=True)
         save_head(head, out, extra={"ttt_depth": cfg.ttt_depth, "draft_vocab_coverage": round(coverage, 4)})
+        _cast_weights(out / WEIGHTS, SAVE_DTYPES[cfg.save_dtype])
         state = {"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
                  "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state(device)
                  if device.type == "cuda" else None, "order": batches, "history": history,
@@ -165,12 +156,19 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
         torch.save(state, tmp)
         os.replace(tmp, state_path)
 
+    def evaluate() -> Acceptance:
+        nonlocal eval_seconds
+        t0 = time.monotonic()
+        result = acceptance(head, eval_set, cfg.ttt_depth, autocast)
+        eval_seconds += time.monotonic() - t0
+        return result
+
     bar = ProgressBar(total_steps, step, stream)
-    bar.message(f"train-draft: {len(train_seqs)} conversations ({sum(len(s.token_ids) for s in train_seqs)} "
-                f"tokens) for training, {len(eval_seqs)} held out; draft vocabulary {len(draft_vocab)} tokens "
+    bar.message(f"train-draft: {len(train_seqs)} conversations ({data.stats()['train_tokens']} tokens) for "
+                f"training, {len(eval_seqs)} held out; draft vocabulary {len(draft_vocab)} tokens "
                 f"covering {coverage:.1%} of assistant tokens; {total_steps} steps on {device}")
-    estimate: Acceptance | None = None
-    t_loop, num_tokens, stop_reason = time.monotonic(), 0, "done"
+    estimate, estimate_step = None, -1
+    t_loop, eval_seconds, num_tokens, stop_reason = time.monotonic(), 0.0, 0, "done"
     steps_this_run = 0
     while step < total_steps:
         if cfg.max_minutes is not None and time.monotonic() - t_start > cfg.max_minutes * 60:
@@ -179,19 +177,14 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
         if cfg.stop_after_steps is not None and steps_this_run >= cfg.stop_after_steps:
             stop_reason = "stop_after_steps"
             break
-        batch = batches[step]
-        denominators = [max(1, sum(int(label_rows[i][d:].sum()) for i in batch)) for d in range(cfg.ttt_depth)]
-        loss_sum = 0.0
         head.train()
-        for i in batch:
-            seq = train_seqs[i]
-            ids, hidden, target_logp = features.labelled(seq)
-            with autocast:
-                loss = sequence_loss(head, ids, hidden, target_logp, torch.from_numpy(seq.labels).to(device),
-                                     cfg.ttt_depth, denominators)
-            loss.backward()
-            loss_sum += loss.item()
-            num_tokens += len(seq.token_ids)
+        try:
+            loss_sum, batch_tokens = _accumulate(head, features, [train_seqs[i] for i in batches[step]], autocast,
+                                                 cfg.ttt_depth)
+        except KeyboardInterrupt:  # the step is dropped whole: the checkpoint stays one of a step boundary
+            optimizer.zero_grad(set_to_none=True)
+            stop_reason = "interrupted"
+            break
         nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg.lr, warmup, total_steps)
@@ -199,38 +192,94 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
         optimizer.zero_grad(set_to_none=True)
         step += 1
         steps_this_run += 1
+        num_tokens += batch_tokens
         history.append(round(loss_sum, 5))
-        stats = {"loss": f"{loss_sum:.4f}", "tok/s": f"{num_tokens / (time.monotonic() - t_loop):.0f}"}
+        stats = {"loss": f"{loss_sum:.4f}",
+                 "tok/s": f"{num_tokens / (time.monotonic() - t_loop - eval_seconds):.0f}"}
         if eval_set is not None and step % cfg.eval_every == 0 and step < total_steps:
-            estimate = acceptance(head, eval_set, cfg.ttt_depth, autocast)
+            estimate, estimate_step = evaluate(), step
             stats["accept"] = f"{estimate.mean_acceptance_length:.2f}"
             bar.message(f"step {step}: held-out mean acceptance length {estimate.mean_acceptance_length:.3f} "
                         f"(k={cfg.ttt_depth}), per position {estimate.per_position_str()}")
         bar.update(step, stats)
         if step % cfg.save_every == 0 and step < total_steps:
-            save(final=False)
-    train_time = time.monotonic() - t_loop
+            save()
+    train_time = time.monotonic() - t_loop - eval_seconds
     bar.close()
-    if eval_set is not None and (estimate is None or steps_this_run % cfg.eval_every != 0 or step == total_steps):
-        estimate = acceptance(head, eval_set, cfg.ttt_depth, autocast)
-    save(final=True)
+    if eval_set is not None and estimate_step != step:
+        estimate = evaluate()
+    save()
     summary = {
         "command": command, "target": loaded.path, "device": str(device), "target_dtype": str(loaded.dtype),
         "stopped": stop_reason, "steps": step, "planned_steps": total_steps, "steps_this_run": steps_this_run,
         "final_loss": history[-1] if history else None, "loss_history": history,
         "time_s": round(elapsed_before + time.monotonic() - t_start, 1),
         "tokens_per_s": round(num_tokens / train_time, 1) if train_time > 0 and num_tokens else None,
-        "data": {"path": str(data_path), "conversations_read": len(conversations),
-                 "train_conversations": len(train_seqs), "train_skipped": len(train_convs) - len(train_seqs),
-                 "train_tokens": sum(len(s.token_ids) for s in train_seqs),
-                 "train_assistant_tokens": sum(s.num_label_rows for s in train_seqs),
-                 "eval_conversations": len(eval_seqs)},
+        "data": data.stats(),
         "draft_vocab": {"size": len(draft_vocab), "coverage": round(coverage, 4)},
         "acceptance": estimate.as_dict() if estimate is not None else None,
         "options": asdict(cfg),
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+@dataclass
+class _Data:
+    path: Path
+    num_read: int  # usable conversations in the file
+    num_skipped: int  # of those picked for training, the ones the chat template refused or left no answer
+    train: list[train_data.Sequence]
+    eval: list[train_data.Sequence]
+    draft_vocab: list[int]
+    coverage: float  # the share of the training data's assistant tokens in draft_vocab
+
+    def stats(self) -> dict:
+        return {"path": str(self.path), "conversations_read": self.num_read,
+                "train_conversations": len(self.train), "train_skipped": self.num_skipped,
+                "train_tokens": sum(len(s.token_ids) for s in self.train),
+                "train_assistant_tokens": sum(s.num_label_rows for s in self.train),
+                "eval_conversations": len(self.eval)}
+
+
+def _prepare_data(cfg: TrainConfig, path: Path, loaded, max_len: int) -> _Data:
+    """The held-out split from the end of the data, the training conversations before it, both
+    rendered; the draft vocabulary from the training data's assistant tokens."""
+    conversations = train_data.read_conversations(path)
+    num_eval = cfg.eval_conversations
+    if len(conversations) <= num_eval:
+        raise ValueError(f"{path} has {len(conversations)} usable conversations: not enough for "
+                         f"--eval-conversations {num_eval} held out and some to train on")
+    train_convs = conversations[:len(conversations) - num_eval][:cfg.max_conversations]
+    rendered = train_data.render_all(loaded.tokenizer, train_convs, max_len)
+    train_seqs = [s for s in rendered if s is not None]
+    if not train_seqs:
+        raise ValueError(f"no usable conversations in {path}: none of {len(train_convs)} has an assistant "
+                         "turn the target's chat template renders")
+    held_out = train_data.render_all(loaded.tokenizer, conversations[len(conversations) - num_eval:], max_len)
+    vocab_size = loaded.arch.vocab_size
+    size = cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
+    draft_vocab, coverage = train_data.draft_vocabulary(train_data.label_counts(train_seqs), size, vocab_size,
+                                                        loaded.eos_token_ids)
+    return _Data(path, len(conversations), len(train_convs) - len(train_seqs), train_seqs,
+                 [s for s in held_out if s is not None], draft_vocab, coverage)
+
+
+def _accumulate(head: EagleHead, features: TargetFeatures, seqs: list[train_data.Sequence], autocast,
+                depth: int) -> tuple[float, int]:
+    """Forward and backward over one step's conversations, one at a time (the gradients add up in
+    the head). Returns (the step's loss, its tokens)."""
+    denominators = [max(1, sum(int(s.labels[d:].sum()) for s in seqs)) for d in range(depth)]
+    loss_sum, num_tokens = 0.0, 0
+    for seq in seqs:
+        ids, hidden, target_logp = features.labelled(seq)
+        labels = torch.from_numpy(seq.labels).to(features.device)
+        with autocast:
+            loss = sequence_loss(head, ids, hidden, target_logp, labels, depth, denominators)
+        loss.backward()
+        loss_sum += loss.item()
+        num_tokens += len(seq.token_ids)
+    return loss_sum, num_tokens
 
 
 def sequence_loss(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor, target_logp: torch.Tensor,
@@ -283,6 +332,17 @@ def build_head(loaded, draft_vocab: torch.Tensor, max_len: int, init: str, devic
     # the head learns in fp32 (autocast gives bf16 matmuls on CUDA); the target's rows stay frozen
     head._lm_head = head._lm_head.float()
     return head
+
+
+def _cast_weights(path: Path, dtype: torch.dtype) -> None:
+    """Store the saved head's float tensors in `dtype` (bf16 halves the file; the head serves in the
+    target's dtype anyway)."""
+    if dtype == torch.float32:
+        return
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, str(path))
 
 
 def _batches(num: int, batch_size: int, epochs: int, seed: int) -> list[list[int]]:

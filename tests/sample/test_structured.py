@@ -18,6 +18,9 @@ from specserve.spec_decode.rejection import RejectionSampler, VerifyRequest
 EOS = 2
 VOCAB = 128  # the model's vocabulary: larger than the tokenizer's 99 ids (the rest must never be allowed)
 GREEDY = SamplingParams(temperature=0.0)
+# the masks are applied where the logits are: xgrammar's CPU kernel, or its Triton kernel on a GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,8 @@ def tid(tok, ch: str) -> int:
     return tok.convert_tokens_to_ids(ch)
 
 
-def row(params: SamplingParams, grammar=None, seed: int | None = None, out=()) -> SamplingRow:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+def row(params: SamplingParams, grammar=None, seed: int | None = None, out=(), device="cpu") -> SamplingRow:
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     return SamplingRow(params, [1], list(out), gen, frozenset({EOS}), grammar)
 
 
@@ -94,19 +97,22 @@ def test_compiler_caches_by_constraint_and_reports_failures(compiler):
 
 
 # -- the sampler ---------------------------------------------------------------------------------
-def test_mixed_batch_masks_only_constrained_rows(compiler, char_tokenizer):
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batch_masks_only_constrained_rows(compiler, char_tokenizer, device):
     tok = char_tokenizer
     g = compiler.compile(Constraint(choice=["yes", "no"]))
-    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)).to(device)
     logits[:, tid(tok, "x")] = 20.0  # every row's favourite is a token the grammar refuses
     hot = SamplingParams(temperature=1.0)
-    rows = [row(GREEDY, compiler.matcher(g)), row(GREEDY), row(hot, compiler.matcher(g), seed=1), row(hot, seed=2)]
+    rows = [row(GREEDY, compiler.matcher(g)), row(GREEDY), row(hot, compiler.matcher(g), seed=1, device=device),
+            row(hot, seed=2, device=device)]
     tokens, _ = Sampler()(logits.clone(), rows)
     first = {tid(tok, "y"), tid(tok, "n")}
     assert tokens[0] in first and tokens[2] in first
     assert tokens[0] == max(first, key=lambda t: logits[0, t])  # greedy: the argmax among allowed tokens
     # unconstrained rows sample exactly as in a batch without grammars
-    alone, _ = Sampler()(logits.clone(), [row(GREEDY), row(GREEDY), row(hot, seed=1), row(hot, seed=2)])
+    alone, _ = Sampler()(logits.clone(), [row(GREEDY), row(GREEDY), row(hot, seed=1, device=device),
+                                          row(hot, seed=2, device=device)])
     assert tokens[1] == alone[1] == tid(tok, "x") and tokens[3] == alone[3]
 
 
@@ -162,7 +168,8 @@ def vreq(drafts: list[int], grammar, params: SamplingParams = GREEDY, first_row:
     return VerifyRequest(first_row, drafts, row(params, grammar, seed=seed))
 
 
-def test_greedy_verification_rejects_a_draft_the_grammar_refuses(compiler, char_tokenizer):
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_verification_rejects_a_draft_the_grammar_refuses(compiler, char_tokenizer, device):
     tok = char_tokenizer
     t = lambda ch: tid(tok, ch)  # noqa: E731
     grammar = compiler.matcher(compiler.compile(Constraint(regex="ab[cd]e")))
@@ -170,7 +177,7 @@ def test_greedy_verification_rejects_a_draft_the_grammar_refuses(compiler, char_
     logits = peaked([t("a"), t("b"), t("x"), t("e")])
     logits[2, t("d")] = 5.0  # the best token the grammar allows there
     before = allowed(grammar)
-    res = RejectionSampler().sample(logits, [vreq([t("a"), t("b"), t("x")], grammar)])
+    res = RejectionSampler().sample(logits.to(device), [vreq([t("a"), t("b"), t("x")], grammar)])
     assert res.token_ids == [[t("a"), t("b"), t("d")]] and res.num_accepted == [2]
     assert allowed(grammar) == before and grammar.num_accepted == 0  # the walk through the drafts was rolled back
 
@@ -194,7 +201,8 @@ def test_a_stop_token_draft_ends_the_walk(compiler, char_tokenizer):
     assert res.token_ids[0][:3] == [tid(tok, "o"), tid(tok, "k"), EOS] and res.num_accepted == [3]
 
 
-def test_random_verification_keeps_the_masked_target_distribution(compiler, char_tokenizer):
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_verification_keeps_the_masked_target_distribution(compiler, char_tokenizer, device):
     """Drafts the grammar refuses ("x") or allows ("a") under a target that puts most mass on refused
     tokens: the first emitted token must follow the target restricted to the grammar ([abc])."""
     tok = char_tokenizer
@@ -208,7 +216,7 @@ def test_random_verification_keeps_the_masked_target_distribution(compiler, char
     trials = 1500
     for draft in ("x", "a"):
         reqs = [vreq([tid(tok, draft)], compiler.matcher(g), hot, first_row=2 * i) for i in range(trials)]
-        logits = logits_row.repeat(2 * trials, 1)
+        logits = logits_row.repeat(2 * trials, 1).to(device)
         torch.manual_seed(0)
         res = RejectionSampler().sample(logits, reqs)
         firsts = torch.tensor([r[0] for r in res.token_ids])

@@ -11,7 +11,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from specserve.client import Client, SpecserveError
 from tests.server.harness import ServerThread, engine_factory
@@ -60,8 +60,8 @@ def test_chat_response_format_json_schema(client):
 
 def test_chat_parse_with_a_pydantic_model(client):
     class Person(BaseModel):
-        name: str
-        age: int
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=120)
 
     out = client.chat.completions.parse(model=MODEL, max_tokens=64, temperature=0, response_format=Person,
                                         messages=[{"role": "user", "content": "Invent a person."}])
@@ -87,9 +87,10 @@ def test_completions_response_format_and_structured_outputs(client):
     out = client.completions.create(model=MODEL, prompt="A city, as JSON:", max_tokens=64, temperature=0,
                                     extra_body={"response_format": schema_format(CITY)})
     jsonschema.validate(json.loads(out.choices[0].text), CITY)
+    email = r"[a-z]{2,8}@[a-z]{2,8}\.(com|org)"
     out = client.completions.create(model=MODEL, prompt="My email address is", max_tokens=32, temperature=0.7,
-                                    seed=3, extra_body={"structured_outputs": {"regex": r"[a-z]{2,8}@[a-z]{2,8}\.(com|org)"}})
-    assert re.fullmatch(r"[a-z]{2,8}@[a-z]{2,8}\.(com|org)", out.choices[0].text)
+                                    seed=3, extra_body={"structured_outputs": {"regex": email}})
+    assert re.fullmatch(email, out.choices[0].text)
     assert out.choices[0].finish_reason == "stop"
 
 

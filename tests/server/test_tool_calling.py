@@ -49,6 +49,15 @@ def answer_messages(call_message, result: str = RESULT) -> list[dict]:
                   {"role": "tool", "tool_call_id": call.id, "content": result}]
 
 
+def final_choice(stream):
+    """The stream helper's final choice; its get_final_completion() refuses a choice cut off by
+    max_tokens (LengthFinishReasonError), which then carries what was accumulated."""
+    try:
+        return stream.get_final_completion().choices[0]
+    except openai.LengthFinishReasonError as e:
+        return e.completion.choices[0]
+
+
 def rendered_prompt(server, messages: list[dict], tools: list[dict] | None = None) -> str:
     body = {"model": MODEL, "messages": messages} | ({"tools": tools} if tools else {})
     ids = httpx.post(server.http + "/tokenize", json=body, timeout=60).json()["tokens"]
@@ -88,7 +97,7 @@ def test_required_round_trip_streamed(client):
 
     with client.chat.completions.stream(**args) as stream:
         events = list(stream)
-        final = stream.get_final_completion().choices[0]
+        final = final_choice(stream)
     assert final.finish_reason == "tool_calls" and not final.message.content
     [streamed] = final.message.tool_calls
     assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
@@ -100,22 +109,23 @@ def test_required_round_trip_streamed(client):
     with client.chat.completions.stream(messages=answer_messages(final.message), tools=[WEATHER, TIME],
                                         tool_choice="none", **GREEDY) as stream:
         text = "".join(e.delta for e in stream if e.type == "content.delta")
-        reply = stream.get_final_completion().choices[0]
+        reply = final_choice(stream)
     assert text.strip() and reply.message.content == text and reply.message.tool_calls is None
 
 
-def test_required_with_parallel_calls_gives_a_json_array_of_the_tools(client):
+def test_required_with_parallel_calls_gives_calls_of_the_tools(client):
+    """The grammar allows more than one call here; the model makes one and closes the array."""
     out = client.chat.completions.create(messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                         **GREEDY | {"max_tokens": 120}).choices[0]
-    if out.finish_reason == "length":  # the grammar allows more calls; a cut-off array is text
-        assert out.message.tool_calls is None and out.message.content.startswith("[")
-        return
-    assert out.message.tool_calls and all(c.function.name in ("get_weather", "get_time")
-                                          for c in out.message.tool_calls)
+                                         **GREEDY | {"max_tokens": 80}).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.tool_calls
+    for c in out.message.tool_calls:
+        args = json.loads(c.function.arguments)
+        assert (c.function.name, set(args)) in (("get_weather", {"city"}), ("get_time", {"zone"}))
 
 
 def test_tool_choice_none_puts_tools_in_the_prompt_and_answers_text(client, smol_server):
-    out = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice="none", **GREEDY)
+    out = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice="none",
+                                         **GREEDY | {"max_tokens": 16})
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
     assert '"name": "get_weather"' in rendered_prompt(smol_server, ASK, [WEATHER])
 
@@ -151,23 +161,40 @@ def test_history_arguments_must_be_json(client):
     assert "messages[1].tool_calls[0].function.arguments is not JSON" in err.value.message
 
 
-def test_auto_with_the_hermes_parser(auto_server):
-    """`auto`: whatever the small model writes comes back as OpenAI shapes the strict client accepts,
-    streamed and whole alike (a call when it writes a well-formed one, else text)."""
+def earlier_round(city: str, i: int) -> list[dict]:
+    """One finished round of a conversation: a question, the call, its result, the answer."""
+    return [{"role": "user", "content": f"Weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
+                "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": RESULT},
+            {"role": "assistant", "content": f"It is sunny in {city}."}]
+
+
+def test_auto_round_trip_with_the_hermes_parser(auto_server):
+    """`auto`: after two rounds in the history the small model calls the tool itself, in the Hermes
+    format its prompt shows; the parser turns that into the same call whole and streamed. A question
+    without such a history gets text."""
     client = openai.OpenAI(base_url=auto_server.http + "/v1", api_key="unused", max_retries=0, timeout=300,
                            _strict_response_validation=True)
-    history = [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": RESULT}, {"role": "user", "content": "And in Rome?"}]
-    for messages in (ASK, ASK + history):
-        whole = client.chat.completions.create(messages=messages, tools=[WEATHER], **GREEDY).choices[0]
-        with client.chat.completions.stream(messages=messages, tools=[WEATHER], **GREEDY) as stream:
-            streamed = stream.get_final_completion().choices[0]
-        if whole.message.tool_calls:
-            assert whole.finish_reason == "tool_calls"
-            assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == \
-                [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls]
-        else:
-            assert whole.message.content and streamed.message.content
-            if "<tool_call>" not in whole.message.content:
-                assert streamed.message.content == whole.message.content
+    chat = earlier_round("Paris", 1) + earlier_round("Rome", 2) + [{"role": "user", "content": "Weather in Berlin?"}]
+    whole = client.chat.completions.create(messages=chat, tools=[WEATHER], **GREEDY).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    [call] = whole.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Berlin"}
+    with client.chat.completions.stream(messages=chat, tools=[WEATHER], **GREEDY) as stream:
+        streamed = final_choice(stream)
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
+
+    answer = chat + [whole.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    reply = client.chat.completions.create(messages=answer, tools=[WEATHER], **GREEDY).choices[0]
+    assert reply.message.tool_calls is None and "Berlin" in reply.message.content
+
+    short = GREEDY | {"max_tokens": 16}
+    text = client.chat.completions.create(messages=ASK, tools=[WEATHER], **short).choices[0]
+    with client.chat.completions.stream(messages=ASK, tools=[WEATHER], **short) as stream:
+        streamed = final_choice(stream)
+    assert text.message.tool_calls is None and text.message.content
+    assert streamed.message.content == text.message.content and not streamed.message.tool_calls

