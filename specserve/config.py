@@ -209,10 +209,6 @@ class EngineConfig:
         if tp > 1 and self.spec is not None and self.spec.method == "draft_model" and is_self_draft(self.spec.model):
             raise ValueError(f"tensor_parallel_size {tp} with the self-draft {self.spec.model!r}: it would share the "
                              "target's sharded weights; give a separate --draft-model (it runs unsharded on rank 0)")
-        if tp > 1 and self.spec is not None and self.spec.method == "eagle":
-            raise ValueError(f"tensor_parallel_size {tp} with an EAGLE head: the head reads the target's embedding and "
-                             "LM head, which are split over the ranks; use n-gram or a draft model, or "
-                             "tensor_parallel_size 1")
 
 
 # Engine arguments (CLI long flags with underscores) -> where they live in EngineConfig.

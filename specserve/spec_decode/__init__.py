@@ -105,7 +105,7 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
     load_format dummy (benchmarks: the target's layer shape, a draft vocabulary of its first
     min(32768, vocab) ids)."""
     from specserve.spec_decode.eagle import EagleProposer
-    from specserve.spec_decode.eagle_head import EagleHead, head_config, load_head, shipped_head
+    from specserve.spec_decode.eagle_head import EagleHead, head_config, load_head, shipped_head, target_weights
 
     if spec.load_format == "dummy":
         vocab = torch.arange(min(32768, target.arch.vocab_size))
@@ -118,7 +118,7 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
     else:
         path = spec.model or shipped_head(target.path)
         head = load_head(path, dtype=target.dtype, device=device, max_positions=max_positions)
-    head.attach(target.model)
+    head.attach(*target_weights(target, device, target.dtype))  # whole tensors, also under tensor parallelism
     policy.measure_draft_cost = spec.draft_cost is None
     policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else head.num_params / target.arch.num_params
     logger.info("EAGLE head %s: %.1fM params, draft vocabulary %d, draft step ~%.3f target steps", path,

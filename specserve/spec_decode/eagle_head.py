@@ -21,6 +21,9 @@ Checkpoint (a directory): `config.json` ({"architectures": ["EagleHead"], the la
 target's hidden size / vocabulary and name}) and `model.safetensors` (the head's weights and
 `draft_vocab`: the target token id of every draft-vocabulary row). The head owns no embedding and no
 LM head: both are the target's (`attach`), the LM head cut to the draft vocabulary's rows.
+
+`target_weights` gives `attach` the target's full embedding and LM head: the module's own tensors,
+or, when the target is split over tensor-parallel ranks, the checkpoint's (the head runs on rank 0).
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=False)
         # the target's, set by `attach` (not parameters of the head: never saved, never trained)
-        self.__dict__["_embed"] = None  # nn.Embedding, set by attach
+        self.__dict__["_embed"] = None  # the target's embedding weight [V, h], set by attach
         self._lm_head: torch.Tensor | None = None  # [Vd, h]: the target's LM head rows of draft_vocab
         self.backend: AttentionBackend | None = None  # set by the model executor
         self.graph_inputs = {"hidden_states": h}  # extra inputs a captured graph must hold (engine/cuda_graphs.py)
@@ -76,26 +79,25 @@ class EagleHead(nn.Module):
         return own + self.draft_vocab_size * self.cfg.hidden_size
 
     # -- the target's parts ----------------------------------------------------------------------
-    def attach(self, target: nn.Module) -> None:
-        """Share the target's embedding and the draft vocabulary's rows of its LM head."""
-        embed = target.embed_tokens
-        lm_head = target.lm_head.weight if target.lm_head is not None else embed.weight
-        if embed.weight.shape[1] != self.cfg.hidden_size:
+    def attach(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Share the target's embedding [V, h] and the draft vocabulary's rows of its LM head [V, h]
+        (full, unsharded tensors: under tensor parallelism the head runs on rank 0 alone)."""
+        if embed_weight.shape[1] != self.cfg.hidden_size:
             raise ValueError(f"the EAGLE head was trained for hidden size {self.cfg.hidden_size}, the target "
-                             f"has {embed.weight.shape[1]}")
-        vocab = embed.weight.shape[0]
+                             f"has {embed_weight.shape[1]}")
+        vocab = embed_weight.shape[0]
         if self.cfg.vocab_size != vocab:
             raise ValueError(f"the EAGLE head was trained for a target vocabulary of {self.cfg.vocab_size} "
                              f"tokens, the target has {vocab}")
-        if lm_head.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if lm_head_weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError("the EAGLE head needs the target's LM head unquantized (leave quantize_embeddings off)")
-        self.__dict__["_embed"] = embed  # a reference, not a submodule: never saved, moved or trained with the head
-        self.draft_vocab = self.draft_vocab.to(lm_head.device)
+        self.__dict__["_embed"] = embed_weight  # references, not parameters: never saved, moved or trained
+        self.draft_vocab = self.draft_vocab.to(lm_head_weight.device)
         with torch.no_grad():
-            self._lm_head = lm_head[self.draft_vocab].detach().clone()
+            self._lm_head = lm_head_weight[self.draft_vocab].detach().clone()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._embed(input_ids)
+        return nn.functional.embedding(input_ids, self._embed)
 
     # -- inference -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -148,6 +150,37 @@ class EagleHead(nn.Module):
             outputs.append(g)
             hidden = _shift(g)
         return outputs
+
+
+def target_weights(target, device: torch.device, dtype: torch.dtype, seed: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding, LM head) weights [V, h] of a loaded target, whole: its module's when they hold
+    the whole vocabulary, else (a tensor-parallel rank's shard) read from its checkpoint, or drawn
+    at random for dummy weights."""
+    model, vocab = target.model, target.arch.vocab_size
+    embed = model.embed_tokens.weight
+    if embed.shape[0] == vocab:
+        return embed, (model.lm_head.weight if model.lm_head is not None else embed)
+    names = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    path = Path(target.path)
+    if (path / "config.json").exists():
+        from safetensors import safe_open
+
+        from specserve.models.loader import _safetensors_files
+
+        for f in _safetensors_files(path):
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in names.keys() & set(sf.keys()):
+                    names[name] = sf.get_tensor(name).to(device=device, dtype=dtype)
+    else:  # dummy weights: random, as the loader draws them
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name in names:
+            names[name] = (torch.randn(vocab, target.arch.hidden_size, generator=gen) * 0.02).to(device, dtype)
+    embed_w = names["model.embed_tokens.weight"]
+    if embed_w is None:
+        raise ValueError(f"{target.path}: no model.embed_tokens.weight in the checkpoint for the EAGLE head")
+    head_w = embed_w if target.arch.tie_word_embeddings or names["lm_head.weight"] is None else names["lm_head.weight"]
+    return embed_w, head_w
 
 
 def _shift(hidden: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from specserve.spec_decode import train_data
-from specserve.spec_decode.eagle_head import WEIGHTS, EagleHead, head_config, save_head
+from specserve.spec_decode.eagle_head import WEIGHTS, EagleHead, head_config, save_head, target_weights
 from specserve.spec_decode.train_eval import Acceptance, EvalSet, acceptance
 from specserve.spec_decode.train_target import TargetFeatures, load_target
 
@@ -328,7 +328,7 @@ def build_head(loaded, draft_vocab: torch.Tensor, max_len: int, init: str, devic
             head.fc.weight.zero_()
             head.fc.weight[:, :h].copy_(torch.eye(h))
             head.norm.weight.copy_(target.norm.weight.float())
-    head.attach(target)
+    head.attach(*target_weights(loaded, device, loaded.dtype))
     # the head learns in fp32 (autocast gives bf16 matmuls on CUDA); the target's rows stay frozen
     head._lm_head = head._lm_head.float()
     return head

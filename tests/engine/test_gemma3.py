@@ -102,3 +102,13 @@ def test_gpu_triton_backend_and_cuda_graphs_match_transformers(tiny_gemma3_dir, 
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_shipped_270m_shape_runs_with_dummy_weights():
+    # configs/models/gemma-3-270m.json (older config.json fields): 18 layers, every sixth one global
+    llm = LLM("gemma-3-270m", load_format="dummy", dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=8)
+    arch = llm.engine.loaded.arch
+    assert arch.layer_windows == ([512] * 5 + [None]) * 3 and arch.local_rope_theta == 10_000.0
+    out = llm.generate([{"prompt_token_ids": list(range(10, 40))}],
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4

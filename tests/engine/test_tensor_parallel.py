@@ -187,3 +187,38 @@ def test_workers_exit_when_rank0_is_killed(tiny_qwen2_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_eagle_head_under_tensor_parallelism(qwen2_dir, tmp_path):
+    """An EAGLE head runs whole on rank 0 over a target split 2 ways (its embedding and untied, padded
+    LM head are read back whole from the checkpoint): the output equals TP=1's, drafts verified."""
+    import torch
+
+    from specserve.models.registry import load_arch_config
+    from specserve.spec_decode.eagle_head import EagleHead, head_config, save_head
+
+    arch = load_arch_config(qwen2_dir / "config.json")
+    torch.manual_seed(0)
+    head = EagleHead(head_config(arch), 512, torch.arange(arch.vocab_size))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else p.normal_(1.0, 0.1)
+    head_dir = save_head(head, tmp_path / "head")
+    spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 3, "adaptive": False}
+
+    def engine(tp: int) -> LLMEngine:
+        config = engine_config_from_args(model=str(qwen2_dir), tensor_parallel_size=tp,
+                                         **dict(ENGINE_ARGS, speculative_config=spec))
+        return LLMEngine(dataclasses.replace(config, parallel=ParallelConfig(tp, timeout_s=TIMEOUT_S)))
+
+    single = engine(1)
+    expected, stats = run(single), single.stats()
+    assert stats["spec_decode_num_drafts"] > 0
+    split = engine(2)
+    pids = worker_pids(split)
+    try:
+        assert run(split) == expected
+        assert split.stats()["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_accepted_tokens"]
+    finally:
+        split.shutdown()
+    assert_gone(pids)

@@ -70,8 +70,8 @@ def test_chat_parse_with_a_pydantic_model(client):
 
 
 def test_chat_response_format_json_object_streamed(client):
-    chunks = list(chat(client, "Describe a cat in JSON.", response_format={"type": "json_object"},
-                       stream=True, max_tokens=96))
+    chunks = list(chat(client, 'Give a JSON object with the key "color" and a one-word color.',
+                       response_format={"type": "json_object"}, stream=True, max_tokens=96))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert isinstance(json.loads(text), dict)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"

@@ -14,7 +14,7 @@ from specserve import LLM, SamplingParams
 from specserve.engine.executor import ModelExecutor
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import load_model
-from specserve.spec_decode.eagle_head import EagleHead, _shift, head_config, load_head, save_head
+from specserve.spec_decode.eagle_head import EagleHead, _shift, head_config, load_head, save_head, target_weights
 from tests.spec_decode.conftest import VOCAB, spec_prompts
 from tests.spec_decode.test_greedy_identity import ENGINE_ARGS, reference
 
@@ -45,7 +45,7 @@ def _random_head(target, seed: int = 0, scale: float = 0.2) -> EagleHead:
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0.0, scale) if p.dim() > 1 else p.normal_(1.0, 0.1)
-    head.attach(target.model)
+    head.attach(*target_weights(target, CPU, torch.float32))
     return head
 
 

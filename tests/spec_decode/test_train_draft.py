@@ -19,7 +19,7 @@ from specserve.engine.step_inputs import batch_metadata
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import load_model
 from specserve.spec_decode import train_data
-from specserve.spec_decode.eagle_head import load_head
+from specserve.spec_decode.eagle_head import load_head, target_weights
 from specserve.spec_decode.train import STATE_FILE, SUMMARY_FILE, TrainConfig, build_head, sequence_loss, train
 from specserve.spec_decode.train_eval import EvalSet, acceptance
 from specserve.spec_decode.train_target import TargetFeatures
@@ -108,7 +108,7 @@ def test_training_lowers_the_loss_and_saves_a_loadable_head(trained, chat_target
     out = Path(cfg.out)
     loaded = load_model(str(chat_target), device=torch.device("cpu"), dtype="float32")
     head = load_head(out, dtype=torch.float32, device=torch.device("cpu"), max_positions=64)
-    head.attach(loaded.model)
+    head.attach(*target_weights(loaded, torch.device("cpu"), torch.float32))
     assert head.draft_vocab_size == summary["draft_vocab"]["size"] == 320  # the whole tiny vocabulary
     assert summary["steps"] == 5 and summary["stopped"] == "done" and len(summary["loss_history"]) == 5
     # the same sequences score a lower loss under the trained head than under the head it started as
@@ -147,7 +147,7 @@ def test_estimate_is_chain_drafting_through_the_kv_cache(trained, chat_target):
     cpu = torch.device("cpu")
     loaded = load_model(str(chat_target), device=cpu, dtype="float32")
     head = load_head(cfg.out, dtype=torch.float32, device=cpu, max_positions=64)
-    head.attach(loaded.model)
+    head.attach(*target_weights(loaded, torch.device("cpu"), torch.float32))
     head.backend = get_attention_backend("torch", cpu)
     features = TargetFeatures(loaded, cpu, 64, head.draft_vocab)
     [seq] = train_data.render_all(loaded.tokenizer, train_data.read_conversations(Path(cfg.data))[-1:], 64)
