@@ -1,8 +1,10 @@
-"""Small torch-free helpers: lazy package attributes (cheap imports) and the CLI's byte sizes."""
+"""Small torch-free helpers: lazy package attributes (cheap imports), the CLI's byte sizes, and how a
+child process ended (`exit_reason`)."""
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -38,3 +40,15 @@ def parse_size(value: str) -> int:
         return int(v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {value!r} (e.g. 2G, 512M)") from None
+
+
+def exit_reason(code: int | None) -> str:
+    """How a child process ended, from its exit code (None: still running), as a phrase."""
+    if code is None:
+        return "is not responding"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.distributed.wire import forward_header, pack_forward
 from specserve.distributed.workers import WorkerGroup
 from specserve.engine.executor import ModelExecutor
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
@@ -51,35 +52,3 @@ class ParallelExecutor(ModelExecutor):
 
     def shutdown(self) -> None:
         self.workers.stop()
-
-
-def forward_header(meta: AttentionMetadata) -> tuple:
-    return ("forward", meta.num_reqs, meta.num_tokens, meta.max_query_len, meta.max_seq_len,
-            meta.block_tables.shape[1], list(meta.query_lens_cpu), list(meta.seq_lens_cpu), meta.block_size)
-
-
-def pack_forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """[3 * num_tokens + 2 * num_reqs + 1 + num_reqs * width] int64: ids, positions, slots,
-    query_start_loc, seq_lens, block tables."""
-    return torch.cat([input_ids.long(), positions, meta.slot_mapping, meta.query_start_loc.long(),
-                      meta.seq_lens.long(), meta.block_tables.reshape(-1).long()])
-
-
-def packed_size(header: tuple) -> int:
-    _, num_reqs, num_tokens, _, _, width, *_ = header
-    return 3 * num_tokens + 2 * num_reqs + 1 + num_reqs * width
-
-
-def unpack_forward(header: tuple, packed: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """A worker's view of rank 0's forward: (input_ids, positions, meta)."""
-    _, num_reqs, num_tokens, max_query_len, max_seq_len, width, query_lens, seq_lens, block_size = header
-    t, r = num_tokens, num_reqs
-    ids, positions, slots = packed[:t], packed[t:2 * t], packed[2 * t:3 * t]
-    cu = packed[3 * t:3 * t + r + 1].int()
-    s_lens = packed[3 * t + r + 1:3 * t + 2 * r + 1].int()
-    tables = packed[3 * t + 2 * r + 1:].int().view(r, width)
-    meta = AttentionMetadata(num_reqs=r, num_tokens=t, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                             query_start_loc=cu, seq_lens=s_lens, block_tables=tables, slot_mapping=slots,
-                             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=block_size)
-    return ids, positions, meta

@@ -28,12 +28,11 @@ def run_worker(config: EngineConfig, model_path: str, rank: int, rendezvous: str
     try:
         from specserve.distributed.layers import parallelize
         from specserve.distributed.state import init_tp_group, rank_device
-        from specserve.engine.build import resolve_device
         from specserve.models.loader import load_model
 
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        device = rank_device(resolve_device(config.device), rank)
+        device = rank_device(torch.device(config.device), rank)  # rank 0 resolved it (cuda / cpu)
         conn.send(("started", None))
         size = config.parallel.tensor_parallel_size
         group = init_tp_group(rank, size, device, rendezvous, config.parallel.timeout_s)
@@ -63,8 +62,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 @torch.inference_mode()
 def _serve(group, model, dtype: torch.dtype) -> None:
-    from specserve.distributed.executor import packed_size, unpack_forward
-    from specserve.distributed.workers import receive_header
+    from specserve.distributed.wire import packed_size, receive_header, unpack_forward
     from specserve.engine.executor import ModelExecutor
     from specserve.models.layers.attention import get_attention_backend
 

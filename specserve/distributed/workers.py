@@ -18,9 +18,9 @@ pid changes (rank 0 killed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 import threading
@@ -36,13 +36,13 @@ import torch.multiprocessing as mp
 
 from specserve.config import EngineConfig
 from specserve.distributed.state import TPGroup, destroy_tp_group, init_tp_group, set_nccl_env
-from specserve.engine.core_process import exit_reason
+from specserve.utils import exit_reason
 from specserve.engine.executor import ExecutorDeadError
+from specserve.distributed.wire import encode_header
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
-HEADER_BYTES = 4096  # a call's header fits in one broadcast of this size unless the step is large
 NAME_WAIT_S = 3.0  # how long a failed call waits for the watcher to name a dead worker
 
 
@@ -68,7 +68,8 @@ class WorkerGroup:
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=run_worker, name=f"specserve-tp-rank-{rank}", daemon=True,
-                               args=(config, model_path, rank, rendezvous, child, os.getpid(), log_level))
+                               args=(dataclasses.replace(config, device=str(device)), model_path, rank,
+                                     rendezvous, child, os.getpid(), log_level))  # the device resolved here
             proc.start()
             child.close()
             self.procs[rank], self.conns[rank] = proc, parent
@@ -209,31 +210,6 @@ class WorkerGroup:
         self._finalizer.detach()
         destroy_tp_group()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def encode_header(header: tuple) -> list[torch.Tensor]:
-    """A call's header as uint8 tensors: one of HEADER_BYTES (8-byte length + the pickle's start), and
-    the rest of a longer pickle (a step of many requests) in a second."""
-    data = pickle.dumps(header)
-    first = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    first[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
-    head = data[:HEADER_BYTES - 8]
-    first[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    rest = data[HEADER_BYTES - 8:]
-    return [first] + ([torch.frombuffer(bytearray(rest), dtype=torch.uint8)] if rest else [])
-
-
-def receive_header(group: dist.ProcessGroup) -> tuple:
-    """A worker's side of `encode_header`: waits (forever) for rank 0's next call."""
-    first = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-    dist.broadcast(first, src=0, group=group)
-    size = int.from_bytes(first[:8].numpy().tobytes(), "little")
-    data = first[8:8 + size].numpy().tobytes()
-    if size > HEADER_BYTES - 8:
-        rest = torch.empty(size - (HEADER_BYTES - 8), dtype=torch.uint8)
-        dist.broadcast(rest, src=0, group=group)
-        data += rest.numpy().tobytes()
-    return pickle.loads(data)
 
 
 def _reap(procs: list) -> None:

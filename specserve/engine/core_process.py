@@ -37,6 +37,7 @@ import zmq
 
 from specserve.config import EngineConfig
 from specserve.engine.messages import CoreInput, ModelInfo, Shutdown, StepOutput
+from specserve.utils import exit_reason
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +46,6 @@ WATCH_S = 0.2  # how often a front end that did not start the core checks that i
 SHUTDOWN_TIMEOUT_S = 15.0
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)
 _output_decoder = msgspec.msgpack.Decoder(StepOutput)
-
-
-def exit_reason(code: int | None) -> str:
-    if code is None:
-        return "is not responding"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve_many(config: EngineConfig, settings: ServerSettings, name: str, num_servers: int,
                log_level: str) -> int:
     """Run the supervisor until stopped; returns the exit code."""
-    from specserve.engine.core_process import CoreProcess, exit_reason
+    from specserve.engine.core_process import CoreProcess
+    from specserve.utils import exit_reason
 
     sock = _listen(settings.host, settings.port)
     print(f"specserve: serving {name} on {settings.url} with {num_servers} server "

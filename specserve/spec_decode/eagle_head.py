@@ -130,7 +130,7 @@ class EagleHead(nn.Module):
         e = self.embed_norm(self.embed(input_ids))
         hidden = _shift(target_hidden)
         keys, values, outputs = [], [], []
-        for d in range(depth):
+        for _ in range(depth):
             x = self.fc(torch.cat([e, self.hidden_norm(hidden)], dim=-1))
             residual = x
             x = layer.input_layernorm(x)

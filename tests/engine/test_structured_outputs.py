@@ -31,15 +31,15 @@ def chat(llm, question: str, params: SamplingParams):
 def test_mixed_batch_with_async_scheduling(llm):
     engine = llm.engine
     deferred = engine.num_deferred_steps
-    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=Constraint(json=SCHEMA)),
-              SamplingParams(temperature=0.8, seed=1, max_tokens=48, structured_outputs=Constraint(json=SCHEMA)),
-              SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=2, max_tokens=64, ignore_eos=True)]
+    params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=Constraint(json=SCHEMA)),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=32, structured_outputs=Constraint(json=SCHEMA)),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=40, ignore_eos=True)]
     outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS * 2], params)
     for out in outs[:2]:
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
         assert out.outputs[0].finish_reason == "stop"
-    assert all(len(o.outputs[0].token_ids) == 64 for o in outs[2:])
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs[2:])
     # the plain requests outlive the constrained ones: their last steps are deferred again
     assert engine.num_deferred_steps > deferred
     plain = chat(llm, QUESTIONS[0], params[2])
@@ -75,7 +75,7 @@ def test_invalid_constraint_is_a_value_error_before_anything_runs(llm):
 def test_greedy_constrained_output_is_unchanged_by_ngram_speculation(default_model_dir, llm):
     spec = LLM(str(default_model_dir), dtype="float32", device="cpu", num_kv_blocks=256, max_model_len=1024,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
-    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=Constraint(json=SCHEMA))
+    params = SamplingParams(temperature=0, max_tokens=32, structured_outputs=Constraint(json=SCHEMA))
     for question in QUESTIONS:
         with_spec = spec.chat([{"role": "user", "content": question}], params)[0]
         assert with_spec.outputs[0].token_ids == chat(llm, question, params).token_ids

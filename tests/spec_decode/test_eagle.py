@@ -73,7 +73,7 @@ def trained_head_dir(tiny_llama_dir, tmp_path_factory):
     labels = [target.model.compute_logits(h).argmax(-1) for _, h in data]
     head = _random_head(target, seed=3, scale=0.05)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    for epoch in range(6):
+    for _ in range(6):
         for (ids, hidden), label in zip(data, labels):
             outs = head.train_forward(ids, hidden, depth=3)
             loss = sum(0.8 ** d * torch.nn.functional.cross_entropy(head.compute_logits(g)[d:-1], label[d:-1])
