@@ -18,6 +18,7 @@ from torch import nn
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.models.layers.basic import RotaryEmbedding
 from specserve.models.registry import ArchConfig
+from specserve.models.weights import load_stacked_weights
 
 
 class GemmaRMSNorm(nn.Module):
@@ -143,56 +144,9 @@ class Gemma3ForCausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # -- weights ---------------------------------------------------------------------------------
-    _STACKED = {  # HF name fragment -> (our param fragment, shard index)
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    }
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...; the norms as transformers
-        stores them, w of `1 + w`) into the fused params; every parameter must be filled."""
-        params = dict(self.named_parameters())
-        cfg = self.cfg
-        kv = cfg.num_kv_heads * cfg.head_dim
-        sizes = {"self_attn.qkv_proj": [cfg.num_heads * cfg.head_dim, kv, kv],
-                 "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
-        expected: set[str] = set()
-        for n in params:
-            frag = _stacked_fragment(n, sizes)
-            expected |= {f"{n}#{i}" for i in range(len(sizes[frag]))} if frag else {n}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding serves as lm_head
-            target, shard = name, None
-            for frag, (ours, index) in self._STACKED.items():
-                if frag in name:
-                    target, shard = name.replace(frag, ours), index
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            if shard is not None:
-                part = sizes[_stacked_fragment(target, sizes)]
-                offset = sum(part[:shard])
-                param, target = param[offset:offset + part[shard]], f"{target}#{shard}"
-            if param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(target)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}")
-
-
-def _stacked_fragment(param_name: str, sizes: dict[str, list[int]]) -> str | None:
-    return next((frag for frag in sizes if frag in param_name), None)
+        """HF-named tensors (the norms as transformers stores them: w of `1 + w`) into the fused params."""
+        load_stacked_weights(self, weights)
 
 
 def turn_end_ids(tokenizer) -> list[int]:

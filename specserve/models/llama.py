@@ -13,6 +13,7 @@ from torch import nn
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.models.layers.basic import RMSNorm, RotaryEmbedding, SwiGLU
 from specserve.models.registry import ArchConfig
+from specserve.models.weights import load_stacked_weights
 
 
 class Attention(nn.Module):
@@ -91,55 +92,6 @@ class LlamaForCausalLM(nn.Module):
         return nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     # -- weights ---------------------------------------------------------------------------------
-    _STACKED = {  # HF name fragment -> (our param fragment, shard index)
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    }
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into fused params."""
-        params = dict(self.named_parameters())
-        cfg = self.cfg
-        qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                     cfg.num_kv_heads * cfg.head_dim]
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding serves as lm_head
-            for frag, (ours, shard) in self._STACKED.items():
-                if frag in name:
-                    target = name.replace(frag, ours)
-                    sizes = qkv_sizes if "qkv" in ours else [cfg.intermediate_size] * 2
-                    offset = sum(sizes[:shard])
-                    param = params[target]
-                    with torch.no_grad():
-                        param[offset:offset + sizes[shard]].copy_(tensor)
-                    loaded.add(f"{target}#{shard}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-                param = params[name]
-                if param.shape != tensor.shape:
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor)
-                loaded.add(name)
-        expected = set()
-        for name in params:
-            if "qkv_proj" in name:
-                expected |= {f"{name}#{i}" for i in range(3)}
-            elif "gate_up_proj" in name:
-                expected |= {f"{name}#{i}" for i in range(2)}
-            else:
-                expected.add(name)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}")
+        load_stacked_weights(self, weights)

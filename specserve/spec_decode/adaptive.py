@@ -223,6 +223,14 @@ def sampled_slots(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOut
     return slots, num_base
 
 
+def step_verified(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+    """The step's forward and verification are done: its time corrects the policy's cost model (the guard)."""
+    num_tokens = sum(s.num_tokens for s in sched.scheduled)
+    num_drafts = sum(len(s.spec_token_ids) for s in sched.scheduled)
+    policy.step_finished(num_tokens - num_drafts, num_drafts, len(out.sampled_token_ids),
+                         sum(out.num_accepted.values()))
+
+
 def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
     """`Proposer.idle` for proposers driven by the policy: after this step (which verifies no drafts)
     no draft could pay off at this batch size, whatever it samples (the policy's cheap test)."""

@@ -36,7 +36,7 @@ import torch
 from specserve.engine.outputs import SchedulerOutput
 from specserve.engine.step_inputs import PendingTokens, batch_metadata
 from specserve.sample.sampler import draw, probs_for
-from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step
+from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, step_verified
 from specserve.spec_decode.draft_model import _context
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
@@ -96,11 +96,8 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
         sched, out = step.sched, step.out
-        num_tokens = sum(s.num_tokens for s in sched.scheduled)
-        num_drafts = sum(len(s.spec_token_ids) for s in sched.scheduled)
-        self.policy.step_finished(num_tokens - num_drafts, num_drafts, len(out.sampled_token_ids),
-                                  sum(out.num_accepted.values()))
-        slots = [s for s in plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens)]
+        step_verified(self.policy, sched, out)
+        slots = plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens)
         for slot in slots:
             self._probs.pop(slot.sched.request.request_id, None)  # its drafts were verified (or it gets none)
         g, last_row = self._catch_up(sched, step.hidden, out.sampled_token_ids, None)

@@ -15,7 +15,7 @@ import torch
 
 from specserve.engine.outputs import SchedulerOutput
 from specserve.engine.request import Request
-from specserve.spec_decode.adaptive import AdaptiveK, nothing_to_draft, sampled_slots
+from specserve.spec_decode.adaptive import AdaptiveK, nothing_to_draft, sampled_slots, step_verified
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
 
 
@@ -104,11 +104,7 @@ class NgramProposer:
 
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
         sched, out = step.sched, step.out
-        # the step's forward and verification are done: its time corrects the policy's cost model
-        num_tokens = sum(s.num_tokens for s in sched.scheduled)
-        num_drafts = sum(len(s.spec_token_ids) for s in sched.scheduled)
-        self.policy.step_finished(num_tokens - num_drafts, num_drafts, len(out.sampled_token_ids),
-                                  sum(out.num_accepted.values()))
+        step_verified(self.policy, sched, out)
         slots, num_base = sampled_slots(self.policy, sched, out, self.max_model_len,
                                         key_of=lambda req_id: self._match_len.get(req_id, 0))
         budget = self.max_num_batched_tokens - num_base
