@@ -113,7 +113,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from specserve.models.default_model import ensure_default_model
-    from specserve.sample.structured import GrammarCompiler, constraint_key
+    from specserve.sample.grammars import constraint_key
+    from specserve.sample.structured import GrammarCompiler
     from specserve.sample.structured import _parse as parse
     from specserve.sampling_params import StructuredOutputsParams as C
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from specserve.engine.tool_prompt import (renders_tool_calls, renders_tools, template_messages, with_hermes_calls,
                                           with_hermes_tools)
-from specserve.sample.structured import check_constraint
+from specserve.sample.grammars import check_constraint
 
 
 class PromptError(ValueError):

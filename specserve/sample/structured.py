@@ -8,10 +8,11 @@ place with a CPU kernel (in its compiled bindings) or a Triton kernel on GPUs (n
 time). vLLM and SGLang use it as their default backend.
 
 The parts, in the order a request meets them:
-- `check_constraint` (front end, no tokenizer needed): parses the schema / regex / grammar into an
-  xgrammar `Grammar`, so a bad one is refused with a message naming the problem before the request
-  reaches the engine. Parsing is cheap (~0.3 ms for a small schema); the tokenizer-dependent part
-  (the token masks) is what compiling adds, and that runs once, in the engine.
+- `check_constraint` (front end, no tokenizer needed; in grammars.py, torch-free): parses the
+  schema / regex / grammar into an xgrammar `Grammar`, so a bad one is refused with a message
+  naming the problem before the request reaches the engine. Parsing is cheap (~0.3 ms for a small
+  schema); the tokenizer-dependent part (the token masks) is what compiling adds, and that runs
+  once, in the engine.
 - `GrammarCompiler` (engine): the tokenizer info is built once per engine (from the HF tokenizer,
   the model's vocabulary size, which may exceed the tokenizer's, and the engine's eos ids);
   `submit` compiles in a worker thread, off the step loop, and keeps compiled grammars in an LRU
@@ -23,83 +24,18 @@ The parts, in the order a request meets them:
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache
 
 import torch
 
+from specserve.sample.grammars import MAX_CACHED_GRAMMARS, Constraint, _clean, _parse, constraint_key
 from specserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-MAX_CACHED_GRAMMARS = 256  # compiled grammars kept per engine (a JSON schema's is tens of KB)
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
-# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " (and checks with "Check failed: ...:")
-_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
-
-Constraint = tuple[str, str]  # (kind, text): the cache key of a constraint
-
-
-def constraint_key(c: StructuredOutputsParams) -> Constraint:
-    """(kind, text) naming the constraint: its cache key. A schema dict is keyed by its JSON text, keys
-    in the dict's order (the order of `properties` is the order the output keeps)."""
-    if c.json is not None:
-        return "json", c.json if isinstance(c.json, str) else json.dumps(c.json)
-    if c.json_object:
-        return "json", JSON_OBJECT_SCHEMA
-    if c.regex is not None:
-        return "regex", c.regex
-    if c.choice is not None:
-        return "grammar", choice_grammar(c.choice)
-    return "grammar", c.grammar
-
-
-def choice_grammar(choices: Sequence[str]) -> str:
-    """EBNF for exactly one of `choices` (JSON string escapes are EBNF string escapes)."""
-    return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices)
-
-
-_WHAT = {"json": "invalid JSON schema", "regex": "invalid regex", "grammar": "invalid grammar"}
-
-
-def _parse(key: Constraint):
-    """The constraint as an xgrammar Grammar (tokenizer-free), or ValueError naming the problem."""
-    import xgrammar as xgr
-
-    kind, text = key
-    try:
-        if kind == "json":
-            # one canonical layout (", " and ": " separators, no free whitespace): a free-whitespace
-            # grammar lets small models spend max_tokens on newlines before the first key
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(text)
-        return xgr.Grammar.from_ebnf(text)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise ValueError(f"{_WHAT[kind]}: {_clean(e)}") from None
-
-
-@lru_cache(maxsize=MAX_CACHED_GRAMMARS)
-def _check(key: Constraint) -> None:
-    _parse(key)
-
-
-def check_constraint(c: StructuredOutputsParams) -> None:
-    """Raise ValueError naming the problem ("invalid regex: ...") if the constraint's schema / regex /
-    grammar is invalid (cached: a constraint seen before costs a dict lookup)."""
-    _check(constraint_key(c))
-
-
-def _clean(error: BaseException) -> str:
-    text = str(error).strip()
-    return _LOCATION.sub("", text.splitlines()[0]) if text else type(error).__name__
-
 
 class GrammarCompiler:
     """Compiles constraints against one engine's tokenizer, in a worker thread, with an LRU cache.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.sample.structured import check_constraint
+from specserve.sample.grammars import check_constraint
 from specserve.sampling_params import StructuredOutputsParams
 from specserve.server.validation import InputError
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specserve.sample.sampler import Sampler, SamplingRow
-from specserve.sample.structured import GrammarCompiler, check_constraint
+from specserve.sample.grammars import check_constraint
+from specserve.sample.structured import GrammarCompiler
 from specserve.sampling_params import SamplingParams
 from specserve.sampling_params import StructuredOutputsParams as Constraint
 from specserve.spec_decode.rejection import RejectionSampler, VerifyRequest
