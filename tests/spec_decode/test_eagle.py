@@ -240,3 +240,21 @@ def test_bad_head_directories_are_refused(tiny_llama_dir, trained_head_dir, tmp_
 def test_method_is_inferred_from_a_head_directory(tiny_llama_dir, trained_head_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", speculative_config={"model": str(trained_head_dir)})
     assert type(llm.engine.proposer).__name__ == "EagleProposer"
+
+
+def test_forks_and_the_context_limit(tiny_llama_dir, trained_head_dir):
+    """n > 1 samples fork mid-request (each child new to the head); requests run into max_model_len
+    (60: not a multiple of the block size, the last head entries have no KV slot)."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=60, block_size=8,
+              speculative_config=eagle_config(trained_head_dir, 4))
+    prompts = [{"prompt_token_ids": p[:20]} for p in spec_prompts()[:4]]
+    outs = llm.generate(prompts, SamplingParams(n=3, temperature=0.9, seed=1, max_tokens=None, ignore_eos=True))
+    for o in outs:
+        assert len(o.outputs) == 3
+        assert all(len(c.token_ids) == 60 - len(o.prompt_token_ids) for c in o.outputs)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    plain = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=60, block_size=8)
+    ref = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in ref]
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0
