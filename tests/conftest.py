@@ -122,6 +122,11 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return hf_model_greedy(model, prompts, max_new_tokens)
+
+
+def hf_model_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """`hf_greedy` with an HF model already loaded."""
     outs = []
     for ids in prompts:
         with torch.no_grad():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from tests.conftest import hf_model_greedy
 
 pytestmark = pytest.mark.slow  # two loads of a 262k-vocabulary GGUF: a few minutes on a 2-core CPU
 
@@ -56,11 +57,5 @@ def test_greedy_matches_transformers_on_the_gguf(gemma3_gguf, hf_gguf):
     assert {1, 106} <= llm.engine.eos_token_ids  # <eos>, and <end_of_turn> as llama.cpp stops there
 
     assert hf_gguf.config.sliding_window == 512 and "sliding_attention" in hf_gguf.config.layer_types
-    expected = []
-    for ids in prompt_ids:
-        with torch.no_grad():
-            out = hf_gguf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                   do_sample=False, pad_token_id=0,
-                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        expected.append(out[0, len(ids):].tolist())
+    expected = hf_model_greedy(hf_gguf, prompt_ids, MAX_TOKENS)
     assert [o.outputs[0].token_ids for o in outs] == expected
