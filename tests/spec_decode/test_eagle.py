@@ -143,7 +143,7 @@ def test_greedy_identity_with_adaptive_k_and_async_steps(tiny_llama_dir, trained
     """Adaptive k switches drafting on and off; steps without drafts may run ahead on the device
     (the head's KV still follows them) and the output does not move."""
     calls = {"skip": 0}
-    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"],
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"], async_scheduling=True,
               speculative_config=eagle_config(trained_head_dir, 3, adaptive=True, compute_bound_tokens=4))
     proposer = llm.engine.proposer
     skip = proposer.skip
@@ -156,6 +156,9 @@ def test_greedy_identity_with_adaptive_k_and_async_steps(tiny_llama_dir, trained
     outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference(tiny_llama_dir, "mixed")
     assert llm.engine.kv_manager.pool.num_used_blocks == 0
+    stats = llm.engine.stats()
+    assert calls["skip"] > 0 and stats["num_deferred_steps"] > 0, "no step ran ahead: the case did not run"
+    assert stats["spec_decode_num_drafts"] > 0, "adaptive k never drafted: the case did not run"
 
 
 def test_acceptance_is_real(tiny_llama_dir, trained_head_dir):
