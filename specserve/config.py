@@ -122,7 +122,7 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.method is None:
-            self.method = ("eagle" if _is_head_dir(self.model) else "draft_model") if self.model else "ngram"
+            self.method = ("eagle" if is_head_dir(self.model) else "draft_model") if self.model else "ngram"
         if self.method == "eagle3":
             raise ValueError("speculative method eagle3 (a head over several fused target layers) is not "
                              "supported: specserve's heads read the target's last hidden state; use method eagle "
@@ -262,18 +262,24 @@ def build_spec_config(speculative_config: Any = None, draft_model: str | None = 
     if (parsed.method == "draft_model" and not is_self_draft(model) and parsed.load_format != "dummy"
             and not Path(model).exists() and not _looks_like_hub_id(model)):  # fail before loading anything
         raise ValueError(f"draft model not found: {model} (a HF model directory, a .gguf file or a hub id)")
-    if parsed.method == "eagle" and model and parsed.load_format != "dummy" and not _is_head_dir(model):
+    if parsed.method == "eagle" and model and parsed.load_format != "dummy" and not is_head_dir(model):
         raise ValueError(f"EAGLE head not found: {model} (a directory made by `specserve train-draft`)")
     return parsed
 
 
-def _is_head_dir(model: str | None) -> bool:
-    """A directory made by `specserve train-draft` (config.json names the EagleHead architecture)."""
-    config = Path(model) / "config.json" if model else None
-    try:
-        return config is not None and '"EagleHead"' in config.read_text()
-    except OSError:
+EAGLE_HEAD_ARCHITECTURE = "EagleHead"  # config.json's architecture of a head (spec_decode/eagle_head.py)
+
+
+def is_head_dir(path: str | Path | None) -> bool:
+    """A directory made by `specserve train-draft`: its config.json names the EagleHead architecture
+    (here, torch-free, so that a config can infer `method: eagle` without loading anything)."""
+    if not path:
         return False
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and EAGLE_HEAD_ARCHITECTURE in (raw.get("architectures") or [])
 
 
 def _looks_like_hub_id(model: str) -> bool:

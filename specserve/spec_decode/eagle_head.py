@@ -35,12 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from specserve.config import EAGLE_HEAD_ARCHITECTURE, is_head_dir
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.models.layers.basic import RMSNorm, RotaryEmbedding
 from specserve.models.llama import DecoderLayer
 from specserve.models.registry import ArchConfig
 
-ARCHITECTURE = "EagleHead"
+ARCHITECTURE = EAGLE_HEAD_ARCHITECTURE
 WEIGHTS = "model.safetensors"
 
 
@@ -255,14 +256,6 @@ def shipped_head(target_path: str | Path) -> Path:
             return head
     raise ValueError(f"no EAGLE head ships for {target_path}: give one in speculative_config "
                      "{\"method\": \"eagle\", \"model\": HEAD_DIR} (make it with `specserve train-draft`)")
-
-
-def is_head_dir(path: str | Path) -> bool:
-    config = Path(path) / "config.json"
-    try:
-        return ARCHITECTURE in json.loads(config.read_text()).get("architectures", [])
-    except (OSError, ValueError):
-        return False
 
 
 def load_head(path: str | Path, *, dtype: torch.dtype, device: torch.device, max_positions: int) -> EagleHead:
