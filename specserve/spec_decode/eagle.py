@@ -110,7 +110,7 @@ class EagleProposer:
                   pending: PendingTokens | None) -> tuple[torch.Tensor | None, dict[str, tuple[int, int]]]:
         """The head's entries for this step's rows (see the module doc). Returns its outputs and,
         per request, (its last row in them, that row's position)."""
-        zero_row = hidden.shape[0]  # index of a zero hidden state appended below
+        zero_row = hidden.shape[0]  # index of a zero hidden state, appended below when a row needs it
         ids: list[int] = []
         hidden_idx: list[int] = []
         query_lens, seq_lens, tables = [], [], []
@@ -153,8 +153,9 @@ class EagleProposer:
                                                                    extra_int64=extra)
         if fill_dst:
             ids_d[dst] = pending.tokens[src]
-        padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
-        g = ex.forward(ids_d, positions, meta, hidden_states=padded[idx_d].to(self._dtype))
+        if zero_row in hidden_idx:  # a request new to the head: its first entry reads zeros (rare: admissions)
+            hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
+        g = ex.forward(ids_d, positions, meta, hidden_states=hidden[idx_d].to(self._dtype))
         return g, last_row
 
     @property
