@@ -7,6 +7,8 @@ import pytest
 from tests.server.harness import ServerThread, add_char_tokenizer, engine_factory
 
 TINY_ENGINE = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256)
+# the default model's servers; fp32: bf16 matmuls are slow on AVX2-only CPUs
+SMOL_ENGINE = dict(dtype="float32", device="cpu", num_kv_blocks=256, max_model_len=2048)
 SMALL_FRAME = 4096
 
 
@@ -24,8 +26,7 @@ def tiny_server(tiny_chat_dir):
 
 @pytest.fixture(scope="session")
 def smol_server(default_model_dir):
-    factory = engine_factory(default_model_dir, num_kv_blocks=256, max_model_len=2048, device="cpu",
-                             dtype="float32")  # fp32: bf16 matmuls are slow on AVX2-only CPUs
+    factory = engine_factory(default_model_dir, **SMOL_ENGINE)
     server = ServerThread(factory, "SmolLM2-135M-Instruct")
     yield server
     server.stop()

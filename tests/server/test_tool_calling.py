@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from tests.server.conftest import SMOL_ENGINE
 from tests.server.harness import ServerThread, engine_factory
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,8 +36,7 @@ def client(smol_server):
 
 @pytest.fixture(scope="module")
 def auto_server(default_model_dir):
-    factory = engine_factory(default_model_dir, num_kv_blocks=256, max_model_len=2048, device="cpu",
-                             dtype="float32")
+    factory = engine_factory(default_model_dir, **SMOL_ENGINE)
     server = ServerThread(factory, MODEL, enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield server
     server.stop()
