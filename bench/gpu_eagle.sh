@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # EAGLE on one H200. Results and logs go to $OUT (default ./out).
 #
-#   bash bench/gpu_eagle.sh train GGUF   # train the default model's head (first 4500 ShareGPT conversations),
-#                                        # then acceptance + tokens/s with and without it on held-out prompts
+#   bash bench/gpu_eagle.sh train GGUF   # train the default model's head (its own answers to the first 4500
+#                                        # ShareGPT prompts), then acceptance + tokens/s with and without it
+#                                        # on held-out prompts
 #   bash bench/gpu_eagle.sh dummy A1 .. Ak  # Llama-3.1-8B shapes, dummy target + dummy head, acceptance
 #                                           # replayed per position (BENCHMARK-ONLY), c = 1 .. 256
 #
@@ -25,12 +26,15 @@ convs = [c for _, c in zip(range(int(sys.argv[1])), iter_json_array(text))]
 json.dump(convs, open("/tmp/sharegpt_train.json", "w"))
 print("training conversations:", len(convs))
 EOF
-    $PY -m specserve.cli train-draft "$gguf" --data /tmp/sharegpt_train.json --out "$OUT/head" \
-      --max-minutes "${TRAIN_MINUTES:-4.5}" --max-steps "${TRAIN_STEPS:-520}" --batch-size 8 --eval-conversations 64 \
-      --dtype bfloat16 --save-every 100000 > "$OUT/train.log" 2>&1
+    # the target's own greedy answers to the conversations' first prompts; as many epochs as fit in
+    # the time budget (the learning rate anneals to 0 when it runs out)
+    $PY -m specserve.cli train-draft "$gguf" --data /tmp/sharegpt_train.json --out "$OUT/head" --regenerate \
+      --max-minutes "${TRAIN_MINUTES:-5.5}" --epochs "${TRAIN_EPOCHS:-20}" --batch-size 8 --eval-conversations 64 \
+      --eval-every 200 --dtype bfloat16 --save-every 100000 > "$OUT/train.log" 2>&1
     rm -f "$OUT/head/training_state.pt"
+    gzip -f "$OUT/head/regenerated.json"
     $PY bench/spec_decode.py --device cuda --dtype bfloat16 --model "$gguf" --eagle "$OUT/head" --no-ngram \
-      --sharegpt-skip "$TRAIN_CONVERSATIONS" --concurrency ${LEVELS:-1 4} --num-speculative-tokens 4 \
+      --sharegpt-skip "$TRAIN_CONVERSATIONS" --concurrency ${LEVELS:-1 4 16 64} --num-speculative-tokens 4 \
       --max-tokens 128 --repeats 2 --out "$OUT/spec_real" > "$OUT/bench_real.log" 2>&1 ;;
   dummy)
     shift

@@ -97,6 +97,8 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
     delta = {k: after[k] - before[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                                                "spec_decode_num_accepted_tokens")}
     drafts, accepted = delta["spec_decode_num_drafts"], delta["spec_decode_num_accepted_tokens"]
+    per_pos = [a - b for a, b in zip(after["spec_decode_num_accepted_tokens_per_pos"],
+                                     before["spec_decode_num_accepted_tokens_per_pos"])]
     assert after["num_used_blocks"] == 0
     return {
         "requests": len(prompts), "output_tokens": num_out, "elapsed_s": round(elapsed, 3),
@@ -107,7 +109,18 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
         "num_accepted_tokens": accepted,
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
         "acceptance_rate": round(accepted / delta["spec_decode_num_draft_tokens"], 3) if drafts else None,
+        "accepted_per_pos": per_pos, "acceptance_per_position": conditional_rates(per_pos, drafts),
     }
+
+
+def conditional_rates(per_pos: list[int], drafts: int) -> list[float] | None:
+    """Per draft position j: the share of verifications that accepted draft j among those that
+    accepted every draft before it (what --eagle-acceptance replays). Exact where every draft had
+    k tokens; adaptive k's shorter drafts lower the later positions' rates."""
+    if not drafts:
+        return None
+    reached = [drafts, *per_pos[:-1]]
+    return [round(a / r, 4) if r else 0.0 for a, r in zip(per_pos, reached)]
 
 
 def configs(args) -> list[tuple[str, dict | None]]:
@@ -151,6 +164,8 @@ def merge_runs(runs: list[dict]) -> dict:
     tpots = [r["mean_tpot_ms"] for r in runs if r["mean_tpot_ms"] is not None]
     out["mean_tpot_ms"] = round(sum(tpots) / len(tpots), 2) if tpots else None
     drafts = out["num_drafts"]
+    out["accepted_per_pos"] = [sum(col) for col in zip(*(r["accepted_per_pos"] for r in runs))]
+    out["acceptance_per_position"] = conditional_rates(out["accepted_per_pos"], drafts)
     out["mean_acceptance_length"] = round(1 + out["num_accepted_tokens"] / drafts, 3) if drafts else None
     out["acceptance_rate"] = round(out["num_accepted_tokens"] / out["num_draft_tokens"], 3) if drafts else None
     out["repeats"] = len(runs)
@@ -304,7 +319,8 @@ def main() -> int:
                     row[s.name] = merge_runs(runs[s.name])
                     print(f"{dataset:9s} c={c:3d} {s.name:14s} {row[s.name]['tokens_per_s']:8.2f} tok/s  "
                           f"TPOT {row[s.name]['mean_tpot_ms']} ms  mean acceptance length "
-                          f"{row[s.name]['mean_acceptance_length']}", flush=True)
+                          f"{row[s.name]['mean_acceptance_length']} per position "
+                          f"{row[s.name]['acceptance_per_position']}", flush=True)
         setups = s = llm = None  # loop variables hold engines too
         gc.collect()
         if args.device != "cpu":

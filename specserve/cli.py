@@ -75,6 +75,7 @@ def _add_train_draft(sub: argparse._SubParsersAction) -> None:
         ("--save-every", int, "checkpoint every this many steps (default 200)"),
         ("--seed", int, "data order and initialisation (default 0)"),
         ("--threads", int, "CPU threads (default torch's)"),
+        ("--regenerate-max-tokens", int, "--regenerate: the longest answer (default 512)"),
     ]:
         p.add_argument(flag, type=kind, help=text)
     p.add_argument("--init", choices=["last-layer", "random"],
@@ -85,6 +86,9 @@ def _add_train_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"],
                    help="the saved head's weights (default bfloat16; the checkpoint keeps fp32)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    p.add_argument("--regenerate", action="store_true",
+                   help="train on the target's own greedy answers to the data's first prompts (made once, "
+                   "kept in OUT/regenerated.json) instead of the data's answers")
     p.set_defaults(func=cmd_train_draft)
 
 

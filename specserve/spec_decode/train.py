@@ -32,7 +32,7 @@ from torch import nn
 from specserve.spec_decode import train_data
 from specserve.spec_decode.eagle_head import WEIGHTS, EagleHead, head_config, save_head, target_weights
 from specserve.spec_decode.train_eval import Acceptance, EvalSet, acceptance
-from specserve.spec_decode.train_target import TargetFeatures, load_target
+from specserve.spec_decode.train_target import REGENERATED_FILE, TargetFeatures, load_target, regenerate
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ INITS = ("last-layer", "random")
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # what a resumed run must share with the checkpoint for its data order and schedule to continue
 _RUN_OPTIONS = ("max_len", "max_conversations", "eval_conversations", "draft_vocab_size", "ttt_depth", "lr",
-                "warmup_steps", "batch_size", "epochs", "max_steps", "seed", "init")
+                "warmup_steps", "batch_size", "epochs", "max_steps", "seed", "init", "regenerate",
+                "regenerate_max_tokens")
 
 
 @dataclass
@@ -75,12 +76,15 @@ class TrainConfig:
     threads: int | None = None
     save_dtype: str = "bfloat16"  # the saved head's weights (the checkpoint keeps fp32 ones)
     resume: bool = False
+    regenerate: bool = False  # train on the target's own answers to the data's first prompts
+    regenerate_max_tokens: int = 512
 
     def __post_init__(self) -> None:
         for name in ("ttt_depth", "batch_size", "epochs", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_len", "max_conversations", "max_steps", "stop_after_steps", "threads", "draft_vocab_size"):
+        for name in ("max_len", "max_conversations", "max_steps", "stop_after_steps", "threads", "draft_vocab_size",
+                     "regenerate_max_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -115,7 +119,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
     vocab_size = loaded.arch.vocab_size
     max_len = cfg.max_len or min(DEFAULT_MAX_LEN, loaded.arch.max_position_embeddings)
 
-    data = _prepare_data(cfg, data_path, loaded, max_len)
+    data = _prepare_data(cfg, data_path, loaded, max_len, device, stream)
     train_seqs, eval_seqs, draft_vocab, coverage = data.train, data.eval, data.draft_vocab, data.coverage
     identity = {"target": Path(loaded.path).name, "vocab_size": vocab_size, "hidden_size": loaded.arch.hidden_size,
                 "intermediate_size": loaded.arch.intermediate_size, "num_heads": loaded.arch.num_heads,
@@ -169,6 +173,9 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
                 f"covering {coverage:.1%} of assistant tokens; {total_steps} steps on {device}")
     estimate, estimate_step = None, -1
     t_loop, eval_seconds, num_tokens, stop_reason = time.monotonic(), 0.0, 0, "done"
+    # with --max-minutes the schedule also follows the clock: the learning rate reaches 0 when the
+    # steps or this invocation's minutes run out, whichever comes first
+    step_seconds = None if cfg.max_minutes is None else max(1.0, cfg.max_minutes * 60 - (t_loop - t_start))
     steps_this_run = 0
     while step < total_steps:
         if cfg.max_minutes is not None and time.monotonic() - t_start > cfg.max_minutes * 60:
@@ -187,7 +194,8 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
             break
         nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, cfg.lr, warmup, total_steps)
+            group["lr"] = learning_rate(step, cfg.lr, warmup, total_steps,
+                                        0.0 if step_seconds is None else (time.monotonic() - t_loop) / step_seconds)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -242,27 +250,48 @@ class _Data:
                 "eval_conversations": len(self.eval)}
 
 
-def _prepare_data(cfg: TrainConfig, path: Path, loaded, max_len: int) -> _Data:
-    """The held-out split from the end of the data, the training conversations before it, both
-    rendered; the draft vocabulary from the training data's assistant tokens."""
+def _prepare_data(cfg: TrainConfig, path: Path, loaded, max_len: int, device: torch.device,
+                  stream: TextIO) -> _Data:
+    """The held-out split from the end of the data, the training conversations before it (both
+    answered anew by the target with --regenerate), rendered; the draft vocabulary from the
+    training data's assistant tokens."""
     conversations = train_data.read_conversations(path)
     num_eval = cfg.eval_conversations
     if len(conversations) <= num_eval:
         raise ValueError(f"{path} has {len(conversations)} usable conversations: not enough for "
                          f"--eval-conversations {num_eval} held out and some to train on")
     train_convs = conversations[:len(conversations) - num_eval][:cfg.max_conversations]
+    eval_convs = conversations[len(conversations) - num_eval:]
+    num_selected = len(train_convs)
+    if cfg.regenerate:
+        train_convs, eval_convs = _regenerated(cfg, loaded, max_len, device, stream, train_convs, eval_convs)
     rendered = train_data.render_all(loaded.tokenizer, train_convs, max_len)
     train_seqs = [s for s in rendered if s is not None]
     if not train_seqs:
         raise ValueError(f"no usable conversations in {path}: none of {len(train_convs)} has an assistant "
                          "turn the target's chat template renders")
-    held_out = train_data.render_all(loaded.tokenizer, conversations[len(conversations) - num_eval:], max_len)
+    held_out = train_data.render_all(loaded.tokenizer, eval_convs, max_len)
     vocab_size = loaded.arch.vocab_size
     size = cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
     draft_vocab, coverage = train_data.draft_vocabulary(train_data.label_counts(train_seqs), size, vocab_size,
                                                         loaded.eos_token_ids)
-    return _Data(path, len(conversations), len(train_convs) - len(train_seqs), train_seqs,
+    return _Data(path, len(conversations), num_selected - len(train_seqs), train_seqs,
                  [s for s in held_out if s is not None], draft_vocab, coverage)
+
+
+def _regenerated(cfg: TrainConfig, loaded, max_len: int, device: torch.device, stream: TextIO,
+                 train_convs: list[list[dict]], eval_convs: list[list[dict]]) -> tuple[list, list]:
+    """--regenerate: the target's own answers, made once per --out (kept in regenerated.json, which
+    --resume reads back, so a resumed run trains on the same text)."""
+    path = Path(cfg.out) / REGENERATED_FILE
+    if cfg.resume and path.is_file():
+        saved = json.loads(path.read_text())
+        return saved["train"], saved["eval"]
+    out = regenerate(loaded.path, cfg.dtype, device, max_len, cfg.regenerate_max_tokens,
+                     {"train": train_convs, "eval": eval_convs}, lambda text: print(text, file=stream, flush=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    return out["train"], out["eval"]
 
 
 def _accumulate(head: EagleHead, features: TargetFeatures, seqs: list[train_data.Sequence], autocast,
@@ -299,11 +328,12 @@ def sequence_loss(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor, targ
     return total
 
 
-def learning_rate(step: int, peak: float, warmup: int, total: int) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay to 0 at `total`."""
+def learning_rate(step: int, peak: float, warmup: int, total: int, time_fraction: float = 0.0) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at `total`, or earlier where the
+    share of the time budget used (`time_fraction`) is ahead of the steps."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+    progress = max((step - warmup) / max(1, total - warmup), time_fraction)
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 

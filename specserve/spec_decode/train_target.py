@@ -5,6 +5,9 @@ hidden states it is given when serving.
 """
 from __future__ import annotations
 
+import gc
+import time
+
 import numpy as np
 import torch
 
@@ -12,6 +15,8 @@ from specserve.engine.executor import ModelExecutor
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import LoadedModel, load_model
 from specserve.spec_decode.train_data import Sequence
+
+REGENERATED_FILE = "regenerated.json"
 
 BLOCK_SIZE = 16
 
@@ -72,3 +77,44 @@ class TargetFeatures:
             argmax = torch.full_like(ids, -1)
             argmax[labels] = self.executor.compute_logits(hidden[labels]).argmax(dim=-1)
         return ids.clone(), hidden.to(self.hidden_dtype, copy=True), argmax.clone()
+
+
+def regenerate(target: str, dtype: str, device: torch.device, max_len: int, max_tokens: int,
+               splits: dict[str, list[list[dict]]], message) -> dict[str, list[list[dict]]]:
+    """Each conversation cut to its turns before the first answer, answered by the target itself
+    (greedy, at most max_tokens, through our engine): the text the head drafts when serving. A
+    conversation whose prompt leaves less than max_tokens of room in max_len is dropped."""
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(target, dtype=dtype, device=str(device), max_model_len=max_len)
+    try:
+        tokenizer = llm.tokenizer
+        prompts, owners = [], []
+        for name, conversations in splits.items():
+            for i, messages in enumerate(conversations):
+                first = next(j for j, m in enumerate(messages) if m["role"] == "assistant")
+                try:
+                    text = tokenizer.apply_chat_template(messages[:first], tokenize=False, add_generation_prompt=True)
+                except Exception:  # jinja refuses it (e.g. roles that do not alternate)
+                    continue
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                if len(ids) + max_tokens <= max_len:
+                    prompts.append({"prompt_token_ids": ids})
+                    owners.append((name, i, first))
+        message(f"train-draft: regenerating {len(prompts)} answers with the target (greedy, at most "
+                f"{max_tokens} tokens each) on {device}")
+        t0 = time.monotonic()
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()  # the engine's KV cache goes back before the head trains
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    message(f"train-draft: {num_tokens} tokens regenerated in {time.monotonic() - t0:.0f} s")
+    out: dict[str, list[list[dict]]] = {name: [] for name in splits}
+    for (name, i, first), o in zip(owners, outputs):
+        if o.outputs[0].text.strip():
+            out[name].append(splits[name][i][:first] + [{"role": "assistant", "content": o.outputs[0].text}])
+    return out

@@ -20,7 +20,8 @@ from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import load_model
 from specserve.spec_decode import train_data
 from specserve.spec_decode.eagle_head import load_head, target_weights
-from specserve.spec_decode.train import STATE_FILE, SUMMARY_FILE, TrainConfig, build_head, sequence_loss, train
+from specserve.spec_decode.train import (STATE_FILE, SUMMARY_FILE, TrainConfig, build_head, learning_rate,
+                                        sequence_loss, train)
 from specserve.spec_decode.train_eval import EvalSet, acceptance
 from specserve.spec_decode.train_target import TargetFeatures
 from tests.server.harness import add_char_tokenizer
@@ -231,3 +232,44 @@ def test_cli_trains_and_prints_progress(chat_target, chat_data, tmp_path, capsys
     assert weights["fc.weight"].dtype == torch.bfloat16 and weights["draft_vocab"].dtype == torch.int64
     assert main(cmd[3:5] + ["--data", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x")]) == 2
     assert "specserve: error: data file not found" in capsys.readouterr().err
+
+
+def test_regenerate_trains_on_the_targets_own_answers(chat_target, chat_data, tmp_path):
+    """--regenerate: each conversation becomes its first prompt and the target's greedy answer (the
+    engine's own output for that prompt), made once; --resume reads the same answers back."""
+    from specserve import LLM, SamplingParams
+
+    out = tmp_path / "regen"
+    devnull = io.StringIO()
+    cfg = _config(chat_target, chat_data, out, regenerate=True, regenerate_max_tokens=6, stop_after_steps=1,
+                  dtype="float32")
+    first = train(cfg, stream=devnull)
+    assert "regenerating 14 answers with the target" in devnull.getvalue()
+    saved = json.loads((out / "regenerated.json").read_text())
+    assert len(saved["train"]) + len(saved["eval"]) == first["data"]["conversations_read"] == 14
+    original = {r["conversations"][0]["value"]: r for r in _conversations(14)}
+    llm = LLM(str(chat_target), device="cpu", dtype="float32", max_model_len=64)
+    for messages in saved["train"] + saved["eval"]:
+        assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] in original
+        text = llm.tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        answer = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=6))[0]
+        assert messages[1]["content"] == answer.outputs[0].text
+    llm.shutdown()
+    stamp = (out / "regenerated.json").stat().st_mtime_ns
+    rest = train(_config(chat_target, chat_data, out, regenerate=True, regenerate_max_tokens=6, resume=True,
+                         dtype="float32"),
+                 stream=devnull)
+    assert rest["steps"] == 5 and (out / "regenerated.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="--regenerate-max-tokens 7 \\(checkpoint: 6\\)"):
+        train(_config(chat_target, chat_data, out, regenerate=True, regenerate_max_tokens=7, resume=True,
+                         dtype="float32"),
+              stream=devnull)
+
+
+def test_time_budget_anneals_the_learning_rate():
+    """With --max-minutes the cosine reaches 0 when the time runs out, even if steps remain."""
+    assert learning_rate(50, 1.0, 10, 100) == pytest.approx(0.5 * (1 + np.cos(np.pi * 40 / 90)))
+    assert learning_rate(50, 1.0, 10, 100, time_fraction=0.9) == pytest.approx(0.5 * (1 + np.cos(np.pi * 0.9)))
+    assert learning_rate(50, 1.0, 10, 100, time_fraction=1.2) == pytest.approx(0.0)
+    assert learning_rate(90, 1.0, 10, 100, time_fraction=0.1) < learning_rate(50, 1.0, 10, 100)
