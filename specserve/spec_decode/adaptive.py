@@ -127,9 +127,11 @@ class AdaptiveK:
         gain = 0.0
         for k in range(1, self.max_k + 1):
             gain += trust * best ** k
-            extra = self._extra_cost(num_base_tokens, k, k)
-            if gain * base > (1 + self.margin) * num_sampled * extra:
-                return True
+            # one request drafting k, or all of them (the draft steps' cost is shared)
+            for num in {1, num_sampled}:
+                extra = self._extra_cost(num_base_tokens, num * k, k)
+                if num * gain * base > (1 + self.margin) * num_sampled * extra:
+                    return True
         return False
 
     def _extra_cost(self, num_base_tokens: int, num_spec: int, num_draft_steps: int) -> float:
@@ -151,25 +153,51 @@ class AdaptiveK:
         if max_spec_tokens <= 0 or self.guard.wants_probe(num_base_tokens):
             self._rest({keys[r] for r in rooms})
             return ks
-        # Requests in order of decreasing alpha; each takes the k that most improves expected tokens
-        # per unit of cost, if any does (costs are not convex: on a CPU the first extra token can
-        # cost more than the next four, so whole k's are compared, not single drafts).
+        # The draft steps' cost is shared: one draft forward serves every drafting request, so it is
+        # a fixed cost of the step. For each number of draft steps K it is paid up front; requests,
+        # in order of decreasing alpha, then each take the k <= K that most improves expected tokens
+        # per unit of cost against the target's extra verification tokens alone (costs are not
+        # convex: on a CPU the first extra token can cost more than the next four, so whole k's are
+        # compared, not single drafts). The best K wins if its drafts' tokens per unit of their cost
+        # beat the plain step's by the margin (K = 0: no drafts). Without a draft cost only K = max_k counts.
         order = sorted(rooms, key=lambda r: -self.acceptance(keys[r]))
-        tokens, num_spec, num_steps = float(len(rooms)), 0, 0
-        base_cost = cost = self.costs(num_base_tokens)
+        base_cost = self.costs(num_base_tokens)
         # expected accepted tokens count at the share the guard has seen drafting steps realize
         trust = self.guard.trust(num_base_tokens)
-        model_gain = 0.0  # the same without the guard's scaling: what the guard checks the step against
+        best = (float(len(rooms)), base_cost, ks, 0.0)  # (tokens, cost, ks, gain the model predicts)
+        for max_steps in (range(1, self.max_k + 1) if self.draft_cost else (self.max_k,)):
+            plan = self._plan_with(order, keys, rooms, num_base_tokens, max_spec_tokens, max_steps, trust,
+                                   base_cost)
+            tokens, cost = plan[0], plan[1]
+            # the drafts' tokens per unit of all they cost, draft steps included, must beat the
+            # plain step's by the margin
+            beats_plain = (tokens - len(rooms)) * base_cost > (1 + self.margin) * len(rooms) * (cost - base_cost)
+            if plan[3] and beats_plain and tokens * best[1] > best[0] * cost:
+                best = plan
+        _, cost, ks, model_gain = best
+        self._predicted_gain = (len(rooms) + model_gain) / len(rooms) * base_cost / cost - 1.0
+        self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
+        return ks
+
+    def _plan_with(self, order: list[str], keys: dict[str, Hashable], rooms: dict[str, int], num_base_tokens: int,
+                   max_spec_tokens: int, max_steps: int, trust: float, base_cost: float
+                   ) -> tuple[float, float, dict[str, int], float]:
+        """`plan` with at most `max_steps` draft steps, paid for up front (when some request drafts):
+        (expected tokens, cost, ks, the model's gain without the guard's scaling)."""
+        ks = dict.fromkeys(rooms, 0)
+        fixed = max_steps * self.draft_cost
+        tokens, num_spec, model_gain = float(len(rooms)), 0, 0.0
+        cost = base_cost + fixed
         for req_id in order:
             alpha = self.acceptance(keys[req_id])
             best_k, best_tokens, best_cost, best_raw = 0, tokens, cost, 0.0
             raw = 0.0
-            for k in range(1, min(self.max_k, rooms[req_id], max_spec_tokens - num_spec) + 1):
+            for k in range(1, min(max_steps, rooms[req_id], max_spec_tokens - num_spec) + 1):
                 if alpha ** k < self.min_gain:
                     break
                 raw += alpha ** k
                 gain = trust * raw
-                new_cost = base_cost + self._extra_cost(num_base_tokens, num_spec + k, max(num_steps, k))
+                new_cost = base_cost + fixed + self._extra_cost(num_base_tokens, num_spec + k, 0)
                 # the drafts' tokens per unit of their own cost must beat the batch's by the margin
                 worth = gain * cost > (1 + self.margin) * tokens * (new_cost - cost)
                 if worth and (tokens + gain) * best_cost > best_tokens * new_cost:
@@ -179,10 +207,9 @@ class AdaptiveK:
                 tokens, cost = best_tokens, best_cost
                 model_gain += best_raw
                 num_spec += best_k
-                num_steps = max(num_steps, best_k)
-        self._predicted_gain = (len(rooms) + model_gain) / len(rooms) * base_cost / cost - 1.0
-        self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
-        return ks
+        if not num_spec:
+            return float(len(rooms)), base_cost, ks, 0.0
+        return tokens, cost, ks, model_gain
 
     def _rest(self, keys) -> None:
         """Estimates that got no drafts drift back to the prior (so they get tried again)."""

@@ -299,31 +299,32 @@ def _accumulate(head: EagleHead, features: TargetFeatures, seqs: list[train_data
     """Forward and backward over one step's conversations, one at a time (the gradients add up in
     the head). Returns (the step's loss, its tokens)."""
     denominators = [max(1, sum(int(s.labels[d:].sum()) for s in seqs)) for d in range(depth)]
-    loss_sum, num_tokens = 0.0, 0
-    for seq in seqs:
+    loss_sum, num_tokens = torch.zeros((), device=features.device), 0
+    for seq in seqs:  # no host sync inside: the device runs while the next sequence is queued
         ids, hidden, target_logp = features.labelled(seq)
-        labels = torch.from_numpy(seq.labels).to(features.device)
         with autocast:
-            loss = sequence_loss(head, ids, hidden, target_logp, labels, depth, denominators)
+            loss = sequence_loss(head, ids, hidden, target_logp, torch.from_numpy(seq.labels), depth, denominators)
         loss.backward()
-        loss_sum += loss.item()
+        loss_sum += loss.detach()
         num_tokens += len(seq.token_ids)
-    return loss_sum, num_tokens
+    return loss_sum.item(), num_tokens
 
 
 def sequence_loss(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor, target_logp: torch.Tensor,
                   labels: torch.Tensor, depth: int, denominators: list[int]) -> torch.Tensor:
-    """ids [N]; hidden [N, h] (the target's); target_logp [R, Vd] at the R rows where labels [N] is
-    True; denominators: per depth the label rows of the whole batch (so the batch's loss is a mean
-    over its rows). Returns sum_d 0.8^d * soft-CE_d summed over this sequence's rows / denominator_d."""
+    """ids [N]; hidden [N, h] (the target's); target_logp [R, Vd] at the R rows where labels [N] (on
+    the host) is True; denominators: per depth the label rows of the whole batch (so the batch's
+    loss is a mean over its rows). Returns sum_d 0.8^d * soft-CE_d summed over this sequence's rows
+    / denominator_d."""
     outputs = head.train_forward(ids, hidden, depth)
     target_p = target_logp.exp()
-    rows = labels.nonzero().squeeze(1)
+    rows = labels.cpu().nonzero().squeeze(1)
+    rows_d = rows.to(hidden.device, non_blocking=True)
     total = hidden.new_zeros((), dtype=torch.float32)
     for d, g in enumerate(outputs):
-        keep = rows >= d  # row j at depth d continues a chain that started after row j - d
-        logq = torch.log_softmax(head.compute_logits(g[rows[keep]]), dim=-1)
-        ce = -(target_p[keep] * logq).sum()
+        first = int((rows < d).sum())  # rows j >= d continue a chain that started after row j - d
+        logq = torch.log_softmax(head.compute_logits(g[rows_d[first:]]), dim=-1)
+        ce = -(target_p[first:] * logq).sum()
         total = total + DEPTH_WEIGHT ** d * ce / denominators[d]
     return total
 

@@ -54,9 +54,16 @@ class TargetFeatures:
         # the head learns in fp32 on the CPU (bf16 autocast on CUDA takes any input dtype)
         self.hidden_dtype = torch.float32 if device.type == "cpu" else loaded.dtype
 
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting for the device's queue (pinned on CUDA)."""
+        t = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _forward(self, token_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(token_ids)
-        ids = torch.from_numpy(token_ids.astype(np.int64)).to(self.device)
+        ids = self._upload(token_ids.astype(np.int64))
         hidden = self.executor.forward_tokens(ids, [n], [n], [list(range(-(-n // BLOCK_SIZE)))])
         return ids, hidden
 
@@ -64,7 +71,7 @@ class TargetFeatures:
         """(ids [N], hidden [N, h], target log-probs [R, Vd] at the R label rows, draft columns)."""
         with torch.inference_mode():
             ids, hidden = self._forward(seq.token_ids)
-            rows = torch.from_numpy(seq.labels).to(self.device).nonzero().squeeze(1)
+            rows = self._upload(np.flatnonzero(seq.labels))
             logp = torch.log_softmax(self.executor.compute_logits(hidden[rows]), dim=-1)[:, self.draft_vocab]
         # out of inference mode: tensors autograd may use
         return ids.clone(), hidden.to(self.hidden_dtype, copy=True), logp.clone()

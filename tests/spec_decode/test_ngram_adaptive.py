@@ -125,3 +125,14 @@ def test_bad_spec_configs_are_refused():
         SpecConfig(simulated_acceptance=1.5)
     with pytest.raises(ValueError, match="compute_bound_tokens"):
         SpecConfig(compute_bound_tokens=0)
+
+
+def test_the_draft_steps_cost_is_shared_by_the_batch():
+    """One draft forward serves every drafting request: at 16 requests a head costing 3.5% of a
+    target step still drafts (each request alone could not pay for the draft steps), and the
+    plan still goes to k = 0 when the batch is large enough for verification to cost compute."""
+    policy = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.035, prior=0.8)
+    ks = policy.plan({f"r{i}": 100 for i in range(16)}, 16, 8192)
+    assert min(ks.values()) >= 2
+    assert policy.worth_trying(16, 16)
+    assert set(policy.plan({f"r{i}": 100 for i in range(512)}, 512, 8192).values()) == {0}
