@@ -21,7 +21,7 @@ margin, so the bar rises with the batch. At high concurrency it nears 1 and k dr
 speculation switches itself off instead of slowing the server down.
 
 The model is checked against the clock (specserve/spec_decode/guard.py): a proposer that reports its
-steps (`step_started` / `step_finished`) lets the guard compare the realized gain of drafting steps
+steps (`step_started` / `step_finished` / `proposals_made`) lets the guard compare the realized gain of drafting steps
 with the predicted one; the expected accepted tokens are scaled by that share (`trust`, <= 1).
 """
 from __future__ import annotations
@@ -69,9 +69,14 @@ class AdaptiveK:
         # batch's by 15%): the model prices a step's tokens, a real batch also waits for its slowest
         self.margin = 0.15
         # closed loop: measured step times vs the gains the plan predicted (fed by a proposer that
-        # reports its steps: `step_started` / `step_finished`; specserve/spec_decode/guard.py)
+        # reports its steps: `step_started` / `step_finished` / `proposals_made`; guard.py)
         self.guard = RealizedGain()
         self._step_t0: float | None = None
+        # the proposer's work after a step (catch-up, lookups, the next drafts) counts towards the
+        # step whose drafts it made: seconds of the last such work, and of this step's
+        self._t_verified: float | None = None
+        self._propose_seconds = 0.0
+        self._carried_seconds = 0.0
         self._predicted_gain = 0.0  # relative speedup the last plan expected of its drafts (untrusted model)
         self._est: dict[str, _Estimate] = {}
 
@@ -104,18 +109,29 @@ class AdaptiveK:
     def step_started(self) -> None:
         """The target step begins (the runner's begin_step): start its clock."""
         self._step_t0 = time.perf_counter()
+        self._carried_seconds, self._propose_seconds = self._propose_seconds, 0.0
 
     def step_finished(self, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
                       num_accepted: int) -> None:
         """The target step over `num_base_tokens` tokens plus `num_draft_tokens` drafts has been
         computed and verified (`num_sampled` requests sampled, `num_accepted` drafts accepted):
-        feed its wall time to the guard."""
+        feed its wall time to the guard, plus that of the proposer's work after the step before
+        (`proposals_made`), which made this step's drafts. So a drafting step costs its drafting, and
+        a plain step only the proposer's bookkeeping."""
+        self._t_verified = time.perf_counter()
         if self._step_t0 is None or num_base_tokens <= 0:
             return
-        seconds, self._step_t0 = time.perf_counter() - self._step_t0, None
+        seconds, self._step_t0 = self._t_verified - self._step_t0 + self._carried_seconds, None
         predicted = self._predicted_gain if num_draft_tokens else 0.0
         self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled, num_accepted,
                            num_draft_tokens, predicted)
+
+    def proposals_made(self) -> None:
+        """The proposer's work after `step_finished` is done (its catch-up, lookups and the next
+        step's drafts, or none): its time joins the next step's."""
+        if self._t_verified is not None:
+            self._propose_seconds = time.perf_counter() - self._t_verified
+            self._t_verified = None
 
     def worth_trying(self, num_sampled: int, num_base_tokens: int) -> bool:
         """Could any draft pay off in this batch? (A cheap test before looking for drafts.)"""

@@ -36,7 +36,7 @@ import torch
 from specserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import draw, probs_for
-from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step
+from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, step_verified
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
 
 if TYPE_CHECKING:
@@ -81,6 +81,7 @@ class DraftModelProposer:
             self.policy.remove(req_id)
         for src, dst in sched.block_copies:
             self._stale[dst] = self._stale[src]
+        self.policy.step_started()
 
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched)
@@ -110,7 +111,14 @@ class DraftModelProposer:
     # -- the step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        try:
+            return self._propose(step)
+        finally:
+            self.policy.proposals_made()  # the step's time, the draft model's included, goes to the guard
+
+    def _propose(self, step: DraftStep) -> dict[str, list[int]]:
         sched, out = step.sched, step.out
+        step_verified(self.policy, sched, out)
         slots = {s.sched.request.request_id: s for s in
                  plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens)}
         for req_id in slots:

@@ -100,11 +100,12 @@ class EagleProposer:
         slots = plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens)
         for slot in slots:
             self._probs.pop(slot.sched.request.request_id, None)  # its drafts were verified (or it gets none)
-        g, last_row = self._catch_up(sched, step.hidden, out.sampled_token_ids, None)
-        drafting = [slot for slot in slots if slot.k > 0 and slot.sched.request.request_id in last_row]
-        if not drafting:
-            return {}
-        return self._chain(g, drafting, last_row)
+        try:
+            g, last_row = self._catch_up(sched, step.hidden, out.sampled_token_ids, None)
+            drafting = [slot for slot in slots if slot.k > 0 and slot.sched.request.request_id in last_row]
+            return self._chain(g, drafting, last_row) if drafting else {}
+        finally:  # the step's time, catch-up and drafting included, goes to the guard
+            self.policy.proposals_made()
 
     def _catch_up(self, sched: SchedulerOutput, hidden: torch.Tensor, sampled: dict[str, list[int]],
                   pending: PendingTokens | None) -> tuple[torch.Tensor | None, dict[str, tuple[int, int]]]:

@@ -103,6 +103,12 @@ class NgramProposer:
         self.policy.step_started()
 
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        try:
+            return self._propose(step)
+        finally:
+            self.policy.proposals_made()  # the step's time, lookups included, goes to the guard
+
+    def _propose(self, step: DraftStep) -> dict[str, list[int]]:
         sched, out = step.sched, step.out
         step_verified(self.policy, sched, out)
         slots, num_base = sampled_slots(self.policy, sched, out, self.max_model_len,

@@ -261,3 +261,22 @@ def test_forks_and_the_context_limit(tiny_llama_dir, trained_head_dir):
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in ref]
     assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
     assert llm.engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_the_default_model_gets_its_shipped_head(default_model_dir):
+    """`{"method": "eagle"}` with no head directory on the default model loads the head that ships
+    in the package (trained on the default model's own answers to ShareGPT prompts): greedy output
+    is the target's own (fp32), and some of its drafts are accepted on a chat prompt."""
+    from specserve.spec_decode.eagle_head import HEADS_DIR, shipped_head
+
+    assert shipped_head(default_model_dir) == HEADS_DIR / "SmolLM2-135M-Instruct"
+    messages = [{"role": "user", "content": "Write a short story about a cat who learns to fly."}]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    args = dict(dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=64)
+    plain = LLM(str(default_model_dir), **args).chat(messages, params)[0].outputs[0].token_ids
+    spec = {"method": "eagle", "num_speculative_tokens": 4, "adaptive": False}
+    out = LLM(str(default_model_dir), speculative_config=spec, **args).chat(messages, params)[0]
+    assert out.outputs[0].token_ids == plain
+    # a random head of this shape accepts nothing (BENCHMARKS.md); this one ~1.2 here (weak: the
+    # shipped head is short of the 2.2 goal, docs/speculative.md)
+    assert out.metrics.num_drafts > 0 and out.metrics.mean_acceptance_length > 1.1

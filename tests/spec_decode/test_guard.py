@@ -41,10 +41,10 @@ def policy_with(table, max_k: int = 8) -> AdaptiveK:
 
 
 def run_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, seconds, alpha: float, num_reqs: int = 16,
-              seed: int = 0) -> list[int]:
+              seed: int = 0, draft_seconds=lambda num_drafts: 0.0) -> list[int]:
     """Decode `num_steps` steps of `num_reqs` requests whose drafts (key: a 3-gram match) are each
-    accepted with probability `alpha`; a step with D drafts takes seconds(num_reqs, D). Returns the
-    drafts per step."""
+    accepted with probability `alpha`; a step with D drafts takes seconds(num_reqs, D), and making
+    the next step's D' drafts after it draft_seconds(D'). Returns the drafts per step."""
     rng = random.Random(seed)
     rooms = {f"r{i}": 8 for i in range(num_reqs)}
     keys = dict.fromkeys(rooms, 3)
@@ -65,6 +65,8 @@ def run_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, seconds, alph
         policy.step_finished(num_reqs, num_drafts, num_reqs, num_accepted)
         drafts_per_step.append(num_drafts)
         ks = policy.plan(rooms, num_reqs, 1000, keys)
+        clock.now += draft_seconds(sum(ks.values()))
+        policy.proposals_made()
     return drafts_per_step
 
 
@@ -140,3 +142,18 @@ def test_the_ngram_proposer_reports_its_steps(tiny_llama_dir):
     guard = llm.engine.proposer.policy.guard
     assert guard.num_steps >= 16 // (1 + 3)  # at least one step per 1 + k tokens
     assert guard._unit  # plain steps were timed
+
+
+def test_the_time_spent_drafting_counts_against_the_drafts(clock):
+    """The verification step costs what the table says, but making the drafts before it (a draft
+    model's or an EAGLE head's forwards and their host work) costs a whole decode step: the time
+    from the end of one step's verification to the end of the proposer's work counts towards the
+    step whose drafts it made, so those drafts are backed off; free drafting is left alone."""
+    costs = policy_with(FLAT_TABLE).costs
+    honest = lambda b, d: 0.1 * costs(b + d)  # noqa: E731
+    for factor, most, least in ((1.0, 40, 0), (0.0, 300, 180)):
+        policy = policy_with(FLAT_TABLE)
+        slow = lambda num_drafts: 0.1 * costs(16) * factor * (num_drafts > 0)  # noqa: E731, B023
+        drafted = run_steps(policy, clock, 300, honest, 0.75, draft_seconds=slow)
+        assert least <= sum(d > 0 for d in drafted[100:]) < most, factor
+    assert policy.guard.trust(16) == 1.0
