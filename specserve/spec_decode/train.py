@@ -1,10 +1,11 @@
 """`specserve train-draft`: train an EAGLE-style draft head (eagle_head.py) on the target's own
 hidden states over chat data.
 
-Per conversation: one target forward through a ModelExecutor (exactly the hidden states the engine
-hands the head when serving), the target's next-token distribution at every assistant row as the
-label (its log-softmax over the full vocabulary, read at the draft vocabulary's columns: the mass
-outside is dropped), then the head's training-time test over `ttt_depth` chain depths
+Per step: one ragged target forward over its conversations through a ModelExecutor (exactly the
+hidden states the engine hands the head when serving). Per conversation: the target's next-token
+distribution at every assistant row as the label (its log-softmax over the full vocabulary, read at
+the draft vocabulary's columns: the mass outside is dropped), then the head's training-time test
+over `ttt_depth` chain depths
 (`EagleHead.train_forward`). The loss of depth d is the soft cross-entropy between the two at the
 rows j >= d that predict an assistant token, weighted 0.8 ** d. The target is frozen; only the head
 learns (AdamW, linear warm-up then cosine decay, gradient clipping at 1.0).
@@ -143,7 +144,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
             torch.cuda.set_rng_state(state["cuda_rng"], device)
         step, history, elapsed_before, batches = state["step"], state["history"], state["elapsed_s"], state["order"]
 
-    features = TargetFeatures(loaded, device, max_len, torch.tensor(draft_vocab, device=device))
+    features = TargetFeatures(loaded, device, max_len, torch.tensor(draft_vocab, device=device), cfg.batch_size)
     eval_set = EvalSet(eval_seqs, features) if eval_seqs else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -296,12 +297,12 @@ def _regenerated(cfg: TrainConfig, loaded, max_len: int, device: torch.device, s
 
 def _accumulate(head: EagleHead, features: TargetFeatures, seqs: list[train_data.Sequence], autocast,
                 depth: int) -> tuple[float, int]:
-    """Forward and backward over one step's conversations, one at a time (the gradients add up in
-    the head). Returns (the step's loss, its tokens)."""
+    """One target forward over the step's conversations, then the head's forward and backward over
+    them one at a time (the gradients add up in the head). Returns (the step's loss, its tokens)."""
     denominators = [max(1, sum(int(s.labels[d:].sum()) for s in seqs)) for d in range(depth)]
     loss_sum, num_tokens = torch.zeros((), device=features.device), 0
-    for seq in seqs:  # no host sync inside: the device runs while the next sequence is queued
-        ids, hidden, target_logp = features.labelled(seq)
+    # one target forward for the step's sequences; no host sync inside: the device runs ahead
+    for seq, (ids, hidden, target_logp) in zip(seqs, features.labelled_batch(seqs)):
         with autocast:
             loss = sequence_loss(head, ids, hidden, target_logp, torch.from_numpy(seq.labels), depth, denominators)
         loss.backward()

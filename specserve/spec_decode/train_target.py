@@ -45,8 +45,9 @@ class TargetFeatures:
     """Per sequence: the target's hidden states (the output of its final norm, what
     `ModelExecutor.forward` returns) and its log-probabilities / argmax at the label rows."""
 
-    def __init__(self, loaded: LoadedModel, device: torch.device, max_len: int, draft_vocab: torch.Tensor) -> None:
-        num_blocks = -(-max_len // BLOCK_SIZE)
+    def __init__(self, loaded: LoadedModel, device: torch.device, max_len: int, draft_vocab: torch.Tensor,
+                 max_batch: int = 1) -> None:
+        num_blocks = max_batch * -(-max_len // BLOCK_SIZE)  # `labelled_batch` takes up to max_batch sequences
         self.executor = ModelExecutor(loaded.model, get_attention_backend("auto", device), device, loaded.dtype,
                                       BLOCK_SIZE, num_blocks)
         self.device = device
@@ -69,12 +70,28 @@ class TargetFeatures:
 
     def labelled(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [N], hidden [N, h], target log-probs [R, Vd] at the R label rows, draft columns)."""
+        return self.labelled_batch([seq])[0]
+
+    def labelled_batch(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """`labelled` for each sequence, from one ragged target forward over all of them (a step's
+        sequences: the target's per-forward launches are paid once per step, not per sequence)."""
+        lens = [len(s.token_ids) for s in seqs]
+        tables, first = [], 0
+        for n in lens:
+            tables.append(list(range(first, first + -(-n // BLOCK_SIZE))))
+            first += len(tables[-1])
         with torch.inference_mode():
-            ids, hidden = self._forward(seq.token_ids)
-            rows = self._upload(np.flatnonzero(seq.labels))
-            logp = torch.log_softmax(self.executor.compute_logits(hidden[rows]), dim=-1)[:, self.draft_vocab]
+            ids = self._upload(np.concatenate([s.token_ids for s in seqs]).astype(np.int64))
+            hidden = self.executor.forward_tokens(ids, lens, lens, tables)
+            out, start = [], 0
+            for seq, n in zip(seqs, lens):
+                h = hidden[start:start + n]
+                rows = self._upload(np.flatnonzero(seq.labels))
+                logp = torch.log_softmax(self.executor.compute_logits(h[rows]), dim=-1)[:, self.draft_vocab]
+                out.append((ids[start:start + n], h, logp))
+                start += n
         # out of inference mode: tensors autograd may use
-        return ids.clone(), hidden.to(self.hidden_dtype, copy=True), logp.clone()
+        return [(i.clone(), h.to(self.hidden_dtype, copy=True), lp.clone()) for i, h, lp in out]
 
     def greedy(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [N], hidden [N, h], target argmax [N]: -1 except at label rows)."""

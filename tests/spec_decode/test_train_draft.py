@@ -273,3 +273,16 @@ def test_time_budget_anneals_the_learning_rate():
     assert learning_rate(50, 1.0, 10, 100, time_fraction=0.9) == pytest.approx(0.5 * (1 + np.cos(np.pi * 0.9)))
     assert learning_rate(50, 1.0, 10, 100, time_fraction=1.2) == pytest.approx(0.0)
     assert learning_rate(90, 1.0, 10, 100, time_fraction=0.1) < learning_rate(50, 1.0, 10, 100)
+
+
+def test_one_target_forward_per_step_gives_each_sequences_own_labels(chat_target):
+    """The step's sequences go through the target together (one ragged forward); each gets what a
+    forward of it alone gives."""
+    loaded = load_model(str(chat_target), device=torch.device("cpu"), dtype="float32")
+    seqs = [s for s in train_data.render_all(loaded.tokenizer, [train_data._messages(r) for r in
+                                                                 _conversations(5, seed=7)], 64) if s is not None]
+    vocab = torch.arange(loaded.arch.vocab_size)
+    features = TargetFeatures(loaded, torch.device("cpu"), 64, vocab, max_batch=len(seqs))
+    for seq, batched in zip(seqs, features.labelled_batch(seqs)):
+        for ours, alone in zip(batched, features.labelled(seq)):
+            torch.testing.assert_close(ours, alone, atol=1e-5, rtol=1e-5)
