@@ -176,14 +176,22 @@ class AdaptiveK:
         # convex: on a CPU the first extra token can cost more than the next four, so whole k's are
         # compared, not single drafts). The best K wins if its drafts' tokens per unit of their cost
         # beat the plain step's by the margin (K = 0: no drafts). Without a draft cost only K = max_k counts.
-        order = sorted(rooms, key=lambda r: -self.acceptance(keys[r]))
+        alphas = {r: self.acceptance(keys[r]) for r in rooms}
+        order = sorted(rooms, key=lambda r: -alphas[r])
         base_cost = self.costs(num_base_tokens)
+        extra_memo: dict[int, float] = {}
+
+        def extra(num_spec: int) -> float:  # what num_spec more verification tokens cost the target
+            value = extra_memo.get(num_spec)
+            if value is None:
+                value = extra_memo[num_spec] = self.costs(num_base_tokens + num_spec) - base_cost
+            return value
+
         # expected accepted tokens count at the share the guard has seen drafting steps realize
         trust = self.guard.trust(num_base_tokens)
         best = (float(len(rooms)), base_cost, ks, 0.0)  # (tokens, cost, ks, gain the model predicts)
         for max_steps in (range(1, self.max_k + 1) if self.draft_cost else (self.max_k,)):
-            plan = self._plan_with(order, keys, rooms, num_base_tokens, max_spec_tokens, max_steps, trust,
-                                   base_cost)
+            plan = self._plan_with(order, alphas, rooms, extra, max_spec_tokens, max_steps, trust, base_cost)
             tokens, cost = plan[0], plan[1]
             # the drafts' tokens per unit of all they cost, draft steps included, must beat the
             # plain step's by the margin
@@ -195,9 +203,9 @@ class AdaptiveK:
         self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
         return ks
 
-    def _plan_with(self, order: list[str], keys: dict[str, Hashable], rooms: dict[str, int], num_base_tokens: int,
-                   max_spec_tokens: int, max_steps: int, trust: float, base_cost: float
-                   ) -> tuple[float, float, dict[str, int], float]:
+    def _plan_with(self, order: list[str], alphas: dict[str, float], rooms: dict[str, int],
+                   extra: Callable[[int], float], max_spec_tokens: int, max_steps: int, trust: float,
+                   base_cost: float) -> tuple[float, float, dict[str, int], float]:
         """`plan` with at most `max_steps` draft steps, paid for up front (when some request drafts):
         (expected tokens, cost, ks, the model's gain without the guard's scaling)."""
         ks = dict.fromkeys(rooms, 0)
@@ -205,24 +213,28 @@ class AdaptiveK:
         tokens, num_spec, model_gain = float(len(rooms)), 0, 0.0
         cost = base_cost + fixed
         for req_id in order:
-            alpha = self.acceptance(keys[req_id])
+            alpha = alphas[req_id]
             best_k, best_tokens, best_cost, best_raw = 0, tokens, cost, 0.0
             raw = 0.0
-            for k in range(1, min(max_steps, rooms[req_id], max_spec_tokens - num_spec) + 1):
+            limit = min(max_steps, max_spec_tokens - num_spec)
+            for k in range(1, min(limit, rooms[req_id]) + 1):
                 if alpha ** k < self.min_gain:
                     break
                 raw += alpha ** k
                 gain = trust * raw
-                new_cost = base_cost + fixed + self._extra_cost(num_base_tokens, num_spec + k, 0)
+                new_cost = base_cost + fixed + extra(num_spec + k)
                 # the drafts' tokens per unit of their own cost must beat the batch's by the margin
                 worth = gain * cost > (1 + self.margin) * tokens * (new_cost - cost)
                 if worth and (tokens + gain) * best_cost > best_tokens * new_cost:
                     best_k, best_tokens, best_cost, best_raw = k, tokens + gain, new_cost, raw
-            if best_k:
-                ks[req_id] = best_k
-                tokens, cost = best_tokens, best_cost
-                model_gain += best_raw
-                num_spec += best_k
+            if not best_k:
+                if rooms[req_id] >= limit:  # the rest have lower alphas and no more room: none drafts
+                    break
+                continue
+            ks[req_id] = best_k
+            tokens, cost = best_tokens, best_cost
+            model_gain += best_raw
+            num_spec += best_k
         if not num_spec:
             return float(len(rooms)), base_cost, ks, 0.0
         return tokens, cost, ks, model_gain

@@ -136,3 +136,12 @@ def test_the_draft_steps_cost_is_shared_by_the_batch():
     assert min(ks.values()) >= 2
     assert policy.worth_trying(16, 16)
     assert set(policy.plan({f"r{i}": 100 for i in range(512)}, 512, 8192).values()) == {0}
+
+
+def test_a_request_without_room_does_not_end_the_plan():
+    """The best request has no room for drafts (its max_tokens is reached): the others still draft."""
+    policy = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.035, prior=0.8)
+    for _ in range(5):
+        policy.observe("full", 4, 4)
+    ks = policy.plan({"full": 0, "a": 10, "b": 10}, 3, 100)
+    assert ks["full"] == 0 and ks["a"] > 0 and ks["b"] > 0
