@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -26,25 +24,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_seconds  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _time(fn, iters: int, device: torch.device) -> float:
-    """Median seconds of `fn` over `iters` calls, after a warm-up; the ranks start each call together."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of `fn`; the ranks start each call together."""
+    return median_seconds(fn, iters, device, before_each=dist.barrier)
 
 
 def _rank(rank: int, args, rendezvous: str, out: str) -> None:

@@ -27,26 +27,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_seconds  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 40},
                          "age": {"type": "integer", "minimum": 0, "maximum": 150},
                          "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5}}}
-
-
-def median_s(fn, iters: int, device: torch.device) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def end_to_end(device: str, threads: int | None) -> dict:
@@ -94,9 +81,9 @@ def per_step(grammars: list, prefix: list[int], drafts: list[int], vocab: int, d
             g.fill_drafts(drafts, walk_bitmask, i * (len(drafts) + 1))
 
     cpu = torch.device("cpu")
-    return {"batch": batch, "fill_ms": median_s(fill, iters, cpu) * 1e3,
-            "apply_ms": median_s(lambda: masks.apply(logits, bitmask, range(batch)), iters, device) * 1e3,
-            "verify_walk_k3_ms": median_s(walk, iters, cpu) * 1e3}
+    return {"batch": batch, "fill_ms": median_seconds(fill, iters, cpu) * 1e3,
+            "apply_ms": median_seconds(lambda: masks.apply(logits, bitmask, range(batch)), iters, device) * 1e3,
+            "verify_walk_k3_ms": median_seconds(walk, iters, cpu) * 1e3}
 
 
 def main() -> None:
@@ -143,7 +130,7 @@ def main() -> None:
         t0 = time.perf_counter()
         assert compiler.compile(c) is compiled
         warm = time.perf_counter() - t0
-        check = median_s(lambda c=c: parse(constraint_key(c)), 5, torch.device("cpu"))  # uncached
+        check = median_seconds(lambda c=c: parse(constraint_key(c)), 5, torch.device("cpu"))  # uncached
         result["compile"][name] = {"cold_ms": cold * 1e3, "warm_ms": warm * 1e3, "front_end_check_ms": check * 1e3}
 
     compiled = compiler.compile(kinds["json_schema"])
