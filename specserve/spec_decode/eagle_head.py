@@ -32,6 +32,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -118,18 +119,20 @@ class EagleHead(nn.Module):
         return nn.functional.linear(hidden, self._lm_head).float()
 
     # -- training --------------------------------------------------------------------------------
-    def train_forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, depth: int
-                      ) -> list[torch.Tensor]:
-        """One sequence densely, `depth` times (the training-time test). input_ids: [N] tokens
-        x_0..x_{N-1}; target_hidden: [N, h], the target's h_0..h_{N-1}. Returns per depth d the
-        head's outputs [N, h]; row j at depth d predicts x_{j+1} as chain step d does when it starts
-        from the real entries up to j - d."""
+    def train_forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, depth: int,
+                      seq_lens: list[int] | None = None) -> list[torch.Tensor]:
+        """Sequences packed end to end, densely, `depth` times (the training-time test). input_ids:
+        [N] tokens; target_hidden: [N, h], the target's hidden states at them; seq_lens: the
+        sequences' lengths (None: one sequence of N). Returns per depth d the head's outputs [N, h];
+        row j of a sequence at depth d predicts its x_{j+1} as chain step d does when it starts from
+        the real entries up to j - d. One pass serves the whole batch: the operator count of a
+        training step does not grow with the number of sequences in it."""
         layer = self.layers[0]
         attn = layer.self_attn
         n = input_ids.shape[0]
-        positions = torch.arange(n, device=input_ids.device)
+        packing = _Packing(seq_lens or [n], input_ids.device)
         e = self.embed_norm(self.embed(input_ids))
-        hidden = _shift(target_hidden)
+        hidden = packing.shift(target_hidden)
         keys, values, outputs = [], [], []
         for _ in range(depth):
             x = self.fc(torch.cat([e, self.hidden_norm(hidden)], dim=-1))
@@ -141,16 +144,47 @@ class EagleHead(nn.Module):
             v = v.view(n, attn.num_kv_heads, attn.head_dim)
             if attn.q_norm is not None:
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = attn.rotary(positions, q, k)
-            keys.append(k)
-            values.append(v)
-            out = _chain_attention(q, keys, values, attn.scale)
+            q, k = attn.rotary(packing.positions, q, k)
+            keys.append(packing.pad(k))
+            values.append(packing.pad(v))
+            out = packing.unpad(_chain_attention(packing.pad(q), keys, values, attn.scale))
             x = attn.o_proj(out.reshape(n, attn.q_size))
             x, residual = layer.post_attention_layernorm(x, residual)
             g, _ = self.norm(layer.mlp(x), residual)
             outputs.append(g)
-            hidden = _shift(g)
+            hidden = packing.shift(g)
         return outputs
+
+
+class _Packing:
+    """Sequences packed end to end ([N, ...] rows) and the same rows padded per sequence
+    ([B, L, ...], L the longest), for attention within each sequence alone."""
+
+    def __init__(self, seq_lens: list[int], device: torch.device) -> None:
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        local = np.arange(int(lens.sum())) - np.repeat(starts, lens)  # each row's index in its sequence
+        self.num_seqs, self.max_len = len(lens), int(lens.max())
+        self.positions = _to_device(local, device)
+        self.padded_rows = _to_device(np.repeat(np.arange(len(lens)) * self.max_len, lens) + local, device)
+        self.not_first = _to_device((local > 0).astype(np.float32)[:, None], device)
+
+    def shift(self, rows: torch.Tensor) -> torch.Tensor:
+        """Row j of each sequence gets its row j - 1 (zeros at its first row): entry j's hidden input."""
+        return torch.cat([torch.zeros_like(rows[:1]), rows[:-1]]) * self.not_first.to(rows.dtype)
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, L, ...] (zeros past each sequence's end)."""
+        out = rows.new_zeros((self.num_seqs * self.max_len, *rows.shape[1:]))
+        return out.index_copy(0, self.padded_rows, rows).view(self.num_seqs, self.max_len, *rows.shape[1:])
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        return padded.reshape(self.num_seqs * self.max_len, *padded.shape[2:]).index_select(0, self.padded_rows)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(array)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def target_weights(target, device: torch.device, dtype: torch.dtype, seed: int = 0
@@ -184,15 +218,11 @@ def target_weights(target, device: torch.device, dtype: torch.dtype, seed: int =
     return embed_w, head_w
 
 
-def _shift(hidden: torch.Tensor) -> torch.Tensor:
-    """Row j gets row j - 1 (zeros at row 0): the hidden input of entry j."""
-    return torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
-
-
 def chain_mask(n: int, depth: int, device=None) -> torch.Tensor:
     """[n, (depth + 1) * n] bool: what query row j at depth `depth` may attend among the keys of
     depths 0..depth (concatenated): depth-0 keys i <= j - depth (the real entries the chain started
-    after), then at depth e (1..depth) only the key at j - depth + e (the chain's own entry there)."""
+    after), then at depth e (1..depth) only the key at j - depth + e (the chain's own entry there).
+    Every row may attend at least its own key at depth `depth`."""
     j = torch.arange(n, device=device)[:, None]
     i = torch.arange(n, device=device)[None, :]
     blocks = [i <= j - depth] + [i == j - depth + e for e in range(1, depth + 1)]
@@ -201,17 +231,19 @@ def chain_mask(n: int, depth: int, device=None) -> torch.Tensor:
 
 def _chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                      scale: float) -> torch.Tensor:
-    """q [n, H, D] at depth len(keys) - 1 over the keys / values [n, KVH, D] of depths 0..that."""
-    n, num_heads, _ = q.shape
-    k = torch.cat(keys)  # [(d + 1) n, KVH, D]
-    v = torch.cat(values)
-    group = num_heads // k.shape[1]
+    """q [B, L, H, D] at depth len(keys) - 1 over the keys / values [B, L, KVH, D] of depths 0..that,
+    each sequence (row of B) over its own. Padding past a sequence's end is never attended by its
+    rows: they see keys at or before themselves only."""
+    num_heads = q.shape[2]
+    k = torch.cat(keys, dim=1)  # [B, (d + 1) L, KVH, D]
+    v = torch.cat(values, dim=1)
+    group = num_heads // k.shape[2]
     if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    mask = chain_mask(n, len(keys) - 1, q.device)
-    out = nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    mask = chain_mask(q.shape[1], len(keys) - 1, q.device)
+    out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                      attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    return out.transpose(1, 2)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

@@ -2,12 +2,13 @@
 hidden states over chat data.
 
 Per step: one ragged target forward over its conversations through a ModelExecutor (exactly the
-hidden states the engine hands the head when serving). Per conversation: the target's next-token
-distribution at every assistant row as the label (its log-softmax over the full vocabulary, read at
-the draft vocabulary's columns: the mass outside is dropped), then the head's training-time test
-over `ttt_depth` chain depths
-(`EagleHead.train_forward`). The loss of depth d is the soft cross-entropy between the two at the
-rows j >= d that predict an assistant token, weighted 0.8 ** d. The target is frozen; only the head
+hidden states the engine hands the head when serving), the target's next-token distribution at
+every assistant row as the label (its log-softmax over the full vocabulary, read at the draft
+vocabulary's columns: the mass outside is dropped), then the head's training-time test over
+`ttt_depth` chain depths on all the step's conversations packed end to end (one
+`EagleHead.train_forward`: the step's operator count does not grow with its batch). The loss of
+depth d is the soft cross-entropy between the two at the rows j >= d that predict an assistant
+token, averaged over the step's rows, weighted 0.8 ** d. The target is frozen; only the head
 learns (AdamW, linear warm-up then cosine decay, gradient clipping at 1.0).
 
 A run is reproducible from its seed: the data order of every epoch is a seeded permutation, and a
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -296,37 +298,35 @@ def _regenerated(cfg: TrainConfig, loaded, max_len: int, device: torch.device, s
 
 
 def _accumulate(head: EagleHead, features: TargetFeatures, seqs: list[train_data.Sequence], autocast,
-                depth: int) -> tuple[float, int]:
-    """One target forward over the step's conversations, then the head's forward and backward over
-    them one at a time (the gradients add up in the head). Returns (the step's loss, its tokens)."""
-    denominators = [max(1, sum(int(s.labels[d:].sum()) for s in seqs)) for d in range(depth)]
-    loss_sum, num_tokens = torch.zeros((), device=features.device), 0
-    # one target forward for the step's sequences; no host sync inside: the device runs ahead
-    for seq, (ids, hidden, target_logp) in zip(seqs, features.labelled_batch(seqs)):
-        with autocast:
-            loss = sequence_loss(head, ids, hidden, target_logp, torch.from_numpy(seq.labels), depth, denominators)
-        loss.backward()
-        loss_sum += loss.detach()
-        num_tokens += len(seq.token_ids)
-    return loss_sum.item(), num_tokens
+                depth: int, labelled: tuple | None = None) -> tuple[float, int]:
+    """One target forward and one head forward + backward over the step's conversations, packed end
+    to end. Returns (the step's loss, its tokens)."""
+    ids, hidden, target_logp = labelled if labelled is not None else features.labelled_batch(seqs)
+    with autocast:
+        loss = batch_loss(head, ids, hidden, target_logp, seqs, depth)
+    loss.backward()
+    return loss.item(), len(ids)
 
 
-def sequence_loss(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor, target_logp: torch.Tensor,
-                  labels: torch.Tensor, depth: int, denominators: list[int]) -> torch.Tensor:
-    """ids [N]; hidden [N, h] (the target's); target_logp [R, Vd] at the R rows where labels [N] (on
-    the host) is True; denominators: per depth the label rows of the whole batch (so the batch's
-    loss is a mean over its rows). Returns sum_d 0.8^d * soft-CE_d summed over this sequence's rows
-    / denominator_d."""
-    outputs = head.train_forward(ids, hidden, depth)
+def batch_loss(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor, target_logp: torch.Tensor,
+               seqs: list[train_data.Sequence], depth: int) -> torch.Tensor:
+    """ids [T], hidden [T, h]: the sequences `seqs` packed end to end (the target's hidden states);
+    target_logp [R, Vd] at their R label rows in order. Returns sum_d 0.8^d * the mean soft-CE at
+    depth d over the label rows j >= d of each sequence (rows j < d have no chain of depth d)."""
+    outputs = head.train_forward(ids, hidden, depth, [len(s.token_ids) for s in seqs])
+    labels = np.concatenate([s.labels for s in seqs])
+    local = np.concatenate([np.arange(len(s.token_ids)) for s in seqs])  # each row's index in its sequence
+    label_rows = np.flatnonzero(labels)
     target_p = target_logp.exp()
-    rows = labels.cpu().nonzero().squeeze(1)
-    rows_d = rows.to(hidden.device, non_blocking=True)
     total = hidden.new_zeros((), dtype=torch.float32)
     for d, g in enumerate(outputs):
-        first = int((rows < d).sum())  # rows j >= d continue a chain that started after row j - d
-        logq = torch.log_softmax(head.compute_logits(g[rows_d[first:]]), dim=-1)
-        ce = -(target_p[first:] * logq).sum()
-        total = total + DEPTH_WEIGHT ** d * ce / denominators[d]
+        chained = local[label_rows] >= d  # of the label rows, those that continue a chain of depth d
+        if not chained.any():
+            continue
+        rows = torch.from_numpy(label_rows[chained]).to(g.device, non_blocking=True)
+        picked = torch.from_numpy(np.flatnonzero(chained)).to(g.device, non_blocking=True)
+        ce = nn.functional.cross_entropy(head.compute_logits(g[rows]), target_p[picked], reduction="sum")
+        total = total + DEPTH_WEIGHT ** d * ce / int(chained.sum())
     return total
 
 

@@ -70,11 +70,12 @@ class TargetFeatures:
 
     def labelled(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [N], hidden [N, h], target log-probs [R, Vd] at the R label rows, draft columns)."""
-        return self.labelled_batch([seq])[0]
+        return self.labelled_batch([seq])
 
-    def labelled_batch(self, seqs: list[Sequence]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """`labelled` for each sequence, from one ragged target forward over all of them (a step's
-        sequences: the target's per-forward launches are paid once per step, not per sequence)."""
+    def labelled_batch(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`labelled` of the sequences packed end to end (ids [T], hidden [T, h], log-probs at the
+        label rows in order), from one ragged target forward over all of them: a step's target
+        launches are paid once, not per sequence."""
         lens = [len(s.token_ids) for s in seqs]
         tables, first = [], 0
         for n in lens:
@@ -83,15 +84,10 @@ class TargetFeatures:
         with torch.inference_mode():
             ids = self._upload(np.concatenate([s.token_ids for s in seqs]).astype(np.int64))
             hidden = self.executor.forward_tokens(ids, lens, lens, tables)
-            out, start = [], 0
-            for seq, n in zip(seqs, lens):
-                h = hidden[start:start + n]
-                rows = self._upload(np.flatnonzero(seq.labels))
-                logp = torch.log_softmax(self.executor.compute_logits(h[rows]), dim=-1)[:, self.draft_vocab]
-                out.append((ids[start:start + n], h, logp))
-                start += n
+            rows = self._upload(np.flatnonzero(np.concatenate([s.labels for s in seqs])))
+            logp = torch.log_softmax(self.executor.compute_logits(hidden[rows]), dim=-1)[:, self.draft_vocab]
         # out of inference mode: tensors autograd may use
-        return [(i.clone(), h.to(self.hidden_dtype, copy=True), lp.clone()) for i, h, lp in out]
+        return ids.clone(), hidden.to(self.hidden_dtype, copy=True), logp.clone()
 
     def greedy(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [N], hidden [N, h], target argmax [N]: -1 except at label rows)."""

@@ -14,7 +14,7 @@ from specserve import LLM, SamplingParams
 from specserve.engine.executor import ModelExecutor
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import load_model
-from specserve.spec_decode.eagle_head import EagleHead, _shift, head_config, load_head, save_head, target_weights
+from specserve.spec_decode.eagle_head import EagleHead, head_config, load_head, save_head, target_weights
 from tests.spec_decode.conftest import VOCAB, spec_prompts
 from tests.spec_decode.test_greedy_identity import ENGINE_ARGS, reference
 
@@ -107,7 +107,7 @@ def test_train_forward_is_chain_drafting(tiny_llama_dir):
     depth = 4
     with torch.no_grad():
         dense = head.train_forward(torch.tensor(ids), hidden, depth)
-    shifted = _shift(hidden)
+    shifted = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
     for m in (0, 3, 8):
         ex = _executor(head)
         table = [list(range(ex.kv_cache.shape[2]))]

@@ -21,7 +21,7 @@ from specserve.models.loader import load_model
 from specserve.spec_decode import train_data
 from specserve.spec_decode.eagle_head import load_head, target_weights
 from specserve.spec_decode.train import (STATE_FILE, SUMMARY_FILE, TrainConfig, build_head, learning_rate,
-                                        sequence_loss, train)
+                                        batch_loss, train)
 from specserve.spec_decode.train_eval import EvalSet, acceptance
 from specserve.spec_decode.train_target import TargetFeatures
 from tests.server.harness import add_char_tokenizer
@@ -123,8 +123,7 @@ def test_training_lowers_the_loss_and_saves_a_loadable_head(trained, chat_target
         with torch.no_grad():
             for s in seqs:
                 ids, hidden, logp = features.labelled(s)
-                denominators = [max(1, int(s.labels[d:].sum())) for d in range(DEPTH)]
-                total += float(sequence_loss(h, ids, hidden, logp, torch.from_numpy(s.labels), DEPTH, denominators))
+                total += float(batch_loss(h, ids, hidden, logp, [s], DEPTH))
         return total / len(seqs)
 
     assert mean_loss(head) < mean_loss(start) - 0.05
@@ -276,13 +275,51 @@ def test_time_budget_anneals_the_learning_rate():
 
 
 def test_one_target_forward_per_step_gives_each_sequences_own_labels(chat_target):
-    """The step's sequences go through the target together (one ragged forward); each gets what a
-    forward of it alone gives."""
+    """The step's sequences go through the target together (one ragged forward, packed end to end);
+    each gets what a forward of it alone gives."""
     loaded = load_model(str(chat_target), device=torch.device("cpu"), dtype="float32")
     seqs = [s for s in train_data.render_all(loaded.tokenizer, [train_data._messages(r) for r in
                                                                  _conversations(5, seed=7)], 64) if s is not None]
     vocab = torch.arange(loaded.arch.vocab_size)
     features = TargetFeatures(loaded, torch.device("cpu"), 64, vocab, max_batch=len(seqs))
-    for seq, batched in zip(seqs, features.labelled_batch(seqs)):
-        for ours, alone in zip(batched, features.labelled(seq)):
-            torch.testing.assert_close(ours, alone, atol=1e-5, rtol=1e-5)
+    packed = features.labelled_batch(seqs)
+    alone = [features.labelled(s) for s in seqs]
+    for ours, theirs in zip(packed, zip(*alone)):
+        torch.testing.assert_close(ours, torch.cat(theirs), atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_step_is_the_mean_over_its_sequences(chat_target):
+    """The head's training pass over a step's sequences packed end to end gives each sequence what
+    it gets alone (no attention across sequences, positions and hidden shift restart), and the
+    step's loss is each depth's soft-CE averaged over all the step's chained label rows."""
+    cpu = torch.device("cpu")
+    loaded = load_model(str(chat_target), device=cpu, dtype="float32")
+    seqs = [s for s in train_data.render_all(loaded.tokenizer, [train_data._messages(r) for r in
+                                                                 _conversations(4, seed=11)], 64) if s is not None]
+    assert len(seqs) >= 3 and len({len(s.token_ids) for s in seqs}) > 1, "want sequences of several lengths"
+    head = build_head(loaded, torch.arange(loaded.arch.vocab_size), 64, "random", cpu, 5)
+    features = TargetFeatures(loaded, cpu, 64, head.draft_vocab, max_batch=len(seqs))
+    ids, hidden, logp = features.labelled_batch(seqs)
+    with torch.no_grad():
+        packed = head.train_forward(ids, hidden, DEPTH, [len(s.token_ids) for s in seqs])
+        start = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            for d, alone in enumerate(head.train_forward(ids[start:start + n], hidden[start:start + n], DEPTH)):
+                torch.testing.assert_close(packed[d][start:start + n], alone, atol=1e-5, rtol=1e-5)
+            start += n
+        # the loss: per depth, the CE summed over the sequences' chained rows over their number
+        expected, rows, start = 0.0, 0, 0
+        sums = np.zeros(DEPTH)
+        for s in seqs:
+            n, r = len(s.token_ids), s.num_label_rows
+            outs = head.train_forward(ids[start:start + n], hidden[start:start + n], DEPTH)
+            label_rows = np.flatnonzero(s.labels)
+            for d, g in enumerate(outs):
+                keep = label_rows >= d
+                q = torch.log_softmax(head.compute_logits(g[torch.from_numpy(label_rows[keep])]), dim=-1)
+                sums[d] += float(-(logp[rows:rows + r][torch.from_numpy(keep)].exp() * q).sum())
+            start, rows = start + n, rows + r
+        counts = [sum(int(s.labels[d:].sum()) for s in seqs) for d in range(DEPTH)]
+        expected = sum(0.8 ** d * sums[d] / counts[d] for d in range(DEPTH))
+        assert float(batch_loss(head, ids, hidden, logp, seqs, DEPTH)) == pytest.approx(expected, rel=1e-5)
