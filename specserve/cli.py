@@ -45,7 +45,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     summary = train(TrainConfig(**options), command=["specserve", *sys.argv[1:]])
     acc = summary["acceptance"]
     print(f"{args.out}: {summary['steps']} steps, loss {summary['final_loss']}"
-          + (f", held-out mean acceptance length {acc['mean_acceptance_length']:.3f} at k={acc['k']}" if acc else ""))
+          + (f", held-out mean acceptance length {acc['mean_acceptance_length']:.3f} at k={acc['k']} (every start), "
+             f"{acc['served_mean_acceptance_length']:.3f} as served" if acc else ""))
     return 0
 
 

@@ -211,7 +211,8 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
             estimate, estimate_step = evaluate(), step
             stats["accept"] = f"{estimate.mean_acceptance_length:.2f}"
             bar.message(f"step {step}: held-out mean acceptance length {estimate.mean_acceptance_length:.3f} "
-                        f"(k={cfg.ttt_depth}), per position {estimate.per_position_str()}")
+                        f"(k={cfg.ttt_depth}, every start; per position {estimate.per_position_str()}), "
+                        f"{estimate.served_mean_acceptance_length:.3f} as served")
         bar.update(step, stats)
         if step % cfg.save_every == 0 and step < total_steps:
             save()

@@ -277,6 +277,41 @@ def test_the_default_model_gets_its_shipped_head(default_model_dir):
     spec = {"method": "eagle", "num_speculative_tokens": 4, "adaptive": False}
     out = LLM(str(default_model_dir), speculative_config=spec, **args).chat(messages, params)[0]
     assert out.outputs[0].token_ids == plain
-    # a random head of this shape accepts nothing (BENCHMARKS.md); this one ~1.2 here (weak: the
-    # shipped head is short of the 2.2 goal, docs/speculative.md)
-    assert out.metrics.num_drafts > 0 and out.metrics.mean_acceptance_length > 1.1
+    # a random head of this shape accepts nothing (BENCHMARKS.md); this one 1.38 here (fp32, AVX512
+    # and AVX2 alike within noise; short of the 2.2 goal on chat prompts, docs/speculative.md)
+    assert out.metrics.num_drafts > 0 and out.metrics.mean_acceptance_length > 1.25
+
+
+# -- the trainer's estimate is the engine's count ---------------------------------------------------
+def test_the_served_estimate_counts_what_the_engine_accepts(tiny_llama_dir, trained_head_dir):
+    """train-draft's served estimate, replayed over a greedy run's own text, gives the engine's
+    drafts and accepted tokens at a fixed k (no prefix cache: no zero-hidden entries)."""
+    import numpy as np
+
+    from specserve.spec_decode.train_data import Sequence
+    from specserve.spec_decode.train_eval import EvalSet, acceptance
+    from specserve.spec_decode.train_target import TargetFeatures
+
+    k, max_new = 3, 24
+    prompts = spec_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", enable_prefix_caching=False,
+              speculative_config=eagle_config(trained_head_dir, k))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    stats = llm.engine.stats()
+    llm.shutdown()
+    seqs = []
+    for p, o in zip(prompts, outs):
+        ids = np.asarray(p + list(o.outputs[0].token_ids), dtype=np.int32)
+        labels = np.zeros(len(ids), dtype=bool)
+        # the rows that predict an output token, less the last: under max_tokens the engine leaves
+        # room for the verification's own token, so the last output token is never a draft
+        labels[len(p) - 1:len(ids) - 2] = True
+        seqs.append(Sequence(ids, labels))
+    target = _target(tiny_llama_dir)
+    head = load_head(trained_head_dir, dtype=torch.float32, device=CPU, max_positions=512)
+    head.attach(*target_weights(target, CPU, torch.float32))
+    est = acceptance(head, EvalSet(seqs, TargetFeatures(target, CPU, 512, head.draft_vocab)), k)
+    assert stats["spec_decode_num_accepted_tokens"] > 0, "the head was meant to be accepted sometimes"
+    assert est.num_served_chains == stats["spec_decode_num_drafts"]
+    assert est.served_mean_acceptance_length == pytest.approx(stats["spec_decode_mean_acceptance_length"], abs=1e-9)
