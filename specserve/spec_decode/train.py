@@ -259,13 +259,25 @@ def _prepare_data(cfg: TrainConfig, path: Path, loaded, max_len: int, device: to
     """The held-out split from the end of the data, the training conversations before it (both
     answered anew by the target with --regenerate), rendered; the draft vocabulary from the
     training data's assistant tokens."""
-    conversations = train_data.read_conversations(path)
-    num_eval = cfg.eval_conversations
-    if len(conversations) <= num_eval:
-        raise ValueError(f"{path} has {len(conversations)} usable conversations: not enough for "
-                         f"--eval-conversations {num_eval} held out and some to train on")
-    train_convs = conversations[:len(conversations) - num_eval][:cfg.max_conversations]
-    eval_convs = conversations[len(conversations) - num_eval:]
+    saved = train_data.read_regenerated(path)
+    if saved is not None:  # another run's regenerated.json: its own split, already the target's answers
+        if cfg.regenerate:
+            raise ValueError(f"{path} holds answers a --regenerate run made already: leave --regenerate off")
+        train_convs, eval_convs = saved[0][:cfg.max_conversations], saved[1]
+        num_read = len(saved[0]) + len(saved[1])
+        if not train_convs:
+            raise ValueError(f"{path} has no training conversations")
+        print(f"train-draft: {path} is a regenerated.json: {len(train_convs)} answers to train on, its "
+              f"{len(eval_convs)} held-out ones for the estimate (--eval-conversations does not apply)",
+              file=stream, flush=True)
+    else:
+        conversations = train_data.read_conversations(path)
+        num_read, num_eval = len(conversations), cfg.eval_conversations
+        if len(conversations) <= num_eval:
+            raise ValueError(f"{path} has {len(conversations)} usable conversations: not enough for "
+                             f"--eval-conversations {num_eval} held out and some to train on")
+        train_convs = conversations[:len(conversations) - num_eval][:cfg.max_conversations]
+        eval_convs = conversations[len(conversations) - num_eval:]
     num_selected = len(train_convs)
     if cfg.regenerate:
         train_convs, eval_convs = _regenerated(cfg, loaded, max_len, device, stream, train_convs, eval_convs)
@@ -279,7 +291,7 @@ def _prepare_data(cfg: TrainConfig, path: Path, loaded, max_len: int, device: to
     size = cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB_SIZE, vocab_size)
     draft_vocab, coverage = train_data.draft_vocabulary(train_data.label_counts(train_seqs), size, vocab_size,
                                                         loaded.eos_token_ids)
-    return _Data(path, len(conversations), num_selected - len(train_seqs), train_seqs,
+    return _Data(path, num_read, num_selected - len(train_seqs), train_seqs,
                  [s for s in held_out if s is not None], draft_vocab, coverage)
 
 

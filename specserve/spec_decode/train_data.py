@@ -95,6 +95,26 @@ def read_conversations(path: Path) -> list[list[dict]]:
     return conversations
 
 
+def read_regenerated(path: Path) -> tuple[list[list[dict]], list[list[dict]]] | None:
+    """(train, eval) conversations of a `regenerated.json` that `--regenerate` wrote (one JSON object
+    {"train": [...], "eval": [...]}, lists of OpenAI messages; gzipped when it ends in .gz), or None
+    when the file is something else."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    if not raw.lstrip().startswith(b"{") or b'"train"' not in raw[:64]:
+        return None
+    try:
+        saved = json.loads(raw)
+    except ValueError:
+        return None
+    if not (isinstance(saved, dict) and set(saved) == {"train", "eval"}):
+        return None
+    splits = []
+    for name in ("train", "eval"):
+        convs = [_messages({"messages": m}) if isinstance(m, list) else None for m in saved[name]]
+        splits.append([c for c in convs if c is not None])
+    return splits[0], splits[1]
+
+
 def _messages(record) -> list[dict] | None:
     if not isinstance(record, dict):
         return None

@@ -264,6 +264,17 @@ def test_regenerate_trains_on_the_targets_own_answers(chat_target, chat_data, tm
         train(_config(chat_target, chat_data, out, regenerate=True, regenerate_max_tokens=7, resume=True,
                          dtype="float32"),
               stream=devnull)
+    # another run's regenerated.json as --data: its answers, its own held-out split
+    log = io.StringIO()
+    reuse = train(_config(chat_target, str(out / "regenerated.json"), tmp_path / "reuse", stop_after_steps=1,
+                          dtype="float32"), stream=log)
+    assert f"is a regenerated.json: {len(saved['train'])} answers to train on, its {len(saved['eval'])} held-out" \
+        in log.getvalue()
+    assert reuse["data"]["conversations_read"] == 14 and reuse["data"]["eval_conversations"] == len(saved["eval"]) == 4
+    assert reuse["data"]["train_conversations"] + reuse["data"]["train_skipped"] == len(saved["train"]) == 10
+    with pytest.raises(ValueError, match="leave --regenerate off"):
+        train(_config(chat_target, str(out / "regenerated.json"), tmp_path / "again", regenerate=True,
+                      dtype="float32"), stream=log)
 
 
 def test_time_budget_anneals_the_learning_rate():
