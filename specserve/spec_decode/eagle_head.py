@@ -163,12 +163,11 @@ class _Packing:
 
     def __init__(self, seq_lens: list[int], device: torch.device) -> None:
         lens = np.asarray(seq_lens, dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-        local = np.arange(int(lens.sum())) - np.repeat(starts, lens)  # each row's index in its sequence
+        local = packed_positions(seq_lens)
         self.num_seqs, self.max_len = len(lens), -(-int(lens.max()) // _PAD_TO) * _PAD_TO
-        self.positions = _to_device(local, device)
-        self.padded_rows = _to_device(np.repeat(np.arange(len(lens)) * self.max_len, lens) + local, device)
-        self.not_first = _to_device((local > 0).astype(np.float32)[:, None], device)
+        self.positions = upload(local, device)
+        self.padded_rows = upload(np.repeat(np.arange(len(lens)) * self.max_len, lens) + local, device)
+        self.not_first = upload((local > 0).astype(np.float32)[:, None], device)
 
     def shift(self, rows: torch.Tensor) -> torch.Tensor:
         """Row j of each sequence gets its row j - 1 (zeros at its first row): entry j's hidden input."""
@@ -183,7 +182,15 @@ class _Packing:
         return padded.reshape(self.num_seqs * self.max_len, *padded.shape[2:]).index_select(0, self.padded_rows)
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def packed_positions(seq_lens: list[int]) -> np.ndarray:
+    """Each row's index in its own sequence, for sequences packed end to end."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    return np.arange(int(lens.sum())) - np.repeat(starts, lens)
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without waiting for the device's queue (pinned on CUDA)."""
     t = torch.from_numpy(array)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 

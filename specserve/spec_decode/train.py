@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from specserve.spec_decode import train_data
-from specserve.spec_decode.eagle_head import WEIGHTS, EagleHead, head_config, save_head, target_weights
+from specserve.spec_decode.eagle_head import (WEIGHTS, EagleHead, head_config, packed_positions, save_head,
+                                               target_weights)
 from specserve.spec_decode.train_eval import Acceptance, EvalSet, acceptance
 from specserve.spec_decode.train_target import REGENERATED_FILE, TargetFeatures, load_target, regenerate
 
@@ -326,9 +327,10 @@ def batch_loss(head: EagleHead, ids: torch.Tensor, hidden: torch.Tensor, target_
     """ids [T], hidden [T, h]: the sequences `seqs` packed end to end (the target's hidden states);
     target_logp [R, Vd] at their R label rows in order. Returns sum_d 0.8^d * the mean soft-CE at
     depth d over the label rows j >= d of each sequence (rows j < d have no chain of depth d)."""
-    outputs = head.train_forward(ids, hidden, depth, [len(s.token_ids) for s in seqs])
+    seq_lens = [len(s.token_ids) for s in seqs]
+    outputs = head.train_forward(ids, hidden, depth, seq_lens)
     labels = np.concatenate([s.labels for s in seqs])
-    local = np.concatenate([np.arange(len(s.token_ids)) for s in seqs])  # each row's index in its sequence
+    local = packed_positions(seq_lens)
     label_rows = np.flatnonzero(labels)
     target_p = target_logp.exp()
     total = hidden.new_zeros((), dtype=torch.float32)

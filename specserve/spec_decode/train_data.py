@@ -99,9 +99,12 @@ def read_regenerated(path: Path) -> tuple[list[list[dict]], list[list[dict]]] | 
     """(train, eval) conversations of a `regenerated.json` that `--regenerate` wrote (one JSON object
     {"train": [...], "eval": [...]}, lists of OpenAI messages; gzipped when it ends in .gz), or None
     when the file is something else."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    if not raw.lstrip().startswith(b"{") or b'"train"' not in raw[:64]:
-        return None
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:  # the head of the file first: other data is read once, by read_conversations
+        head = f.read(64)
+        if not head.lstrip().startswith(b"{") or b'"train"' not in head:
+            return None
+        raw = head + f.read()
     try:
         saved = json.loads(raw)
     except ValueError:

@@ -14,6 +14,7 @@ import torch
 from specserve.engine.executor import ModelExecutor
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import LoadedModel, load_model
+from specserve.spec_decode.eagle_head import upload
 from specserve.spec_decode.train_data import Sequence
 
 REGENERATED_FILE = "regenerated.json"
@@ -55,16 +56,9 @@ class TargetFeatures:
         # the head learns in fp32 on the CPU (bf16 autocast on CUDA takes any input dtype)
         self.hidden_dtype = torch.float32 if device.type == "cpu" else loaded.dtype
 
-    def _upload(self, array: np.ndarray) -> torch.Tensor:
-        """A host array on the device without waiting for the device's queue (pinned on CUDA)."""
-        t = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
-
     def _forward(self, token_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(token_ids)
-        ids = self._upload(token_ids.astype(np.int64))
+        ids = upload(token_ids.astype(np.int64), self.device)
         hidden = self.executor.forward_tokens(ids, [n], [n], [list(range(-(-n // BLOCK_SIZE)))])
         return ids, hidden
 
@@ -82,9 +76,9 @@ class TargetFeatures:
             tables.append(list(range(first, first + -(-n // BLOCK_SIZE))))
             first += len(tables[-1])
         with torch.inference_mode():
-            ids = self._upload(np.concatenate([s.token_ids for s in seqs]).astype(np.int64))
+            ids = upload(np.concatenate([s.token_ids for s in seqs]).astype(np.int64), self.device)
             hidden = self.executor.forward_tokens(ids, lens, lens, tables)
-            rows = self._upload(np.flatnonzero(np.concatenate([s.labels for s in seqs])))
+            rows = upload(np.flatnonzero(np.concatenate([s.labels for s in seqs])), self.device)
             logp = torch.log_softmax(self.executor.compute_logits(hidden[rows]), dim=-1)[:, self.draft_vocab]
         # out of inference mode: tensors autograd may use
         return ids.clone(), hidden.to(self.hidden_dtype, copy=True), logp.clone()
