@@ -6,6 +6,12 @@ block, metadata, graphs) and differ only in their weights.
 
 KV layout: one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; a block id
 indexes the same slots in every layer, and in every executor's tensor (copy-on-write copies them all).
+
+Slot states: a model may ask for per-slot vectors kept beside its KV in the same blocks (`slot_states`:
+name -> width; an EAGLE head keeps the target's hidden state of every computed position). Each is one
+tensor `[num_blocks * block_size + 1, width]` indexed by KV slot; its last row stays zero (a slot index
+for "no state": an EAGLE entry at position 0). They count in the bytes per block and are copied with
+the KV on copy-on-write.
 """
 from __future__ import annotations
 
@@ -33,12 +39,17 @@ class ModelExecutor:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                     dtype=dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.slot_states = {name: torch.zeros(num_blocks * block_size + 1, width, dtype=dtype, device=device)
+                            for name, width in getattr(model, "slot_states", {}).items()}
         self.graphs = None  # DecodeGraphs once captured
         self.staging = HostStaging(device)
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-        return model.cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+        """Bytes one block holds for `model`: its KV, plus its slot states."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        state_width = sum(getattr(model, "slot_states", {}).values())
+        return (model.cfg.kv_bytes_per_token(size) + state_width * size) * block_size
 
     def capture_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...]) -> None:
         """CUDA graphs for steps whose requests compute at most max(query_lens) tokens each."""
@@ -76,6 +87,9 @@ class ModelExecutor:
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        for state in self.slot_states.values():
+            blocks = state[:-1].view(-1, self.block_size, state.shape[1])  # [num_blocks, block_size, width]
+            blocks[dst] = blocks[src]
 
     def shutdown(self) -> None:
         """Release what outlives a step (a tensor-parallel executor stops its workers)."""

@@ -93,12 +93,12 @@ class ModelRunner:
         if defer and inputs.logits_rows:
             step.pending = self._sample_deferred(inputs, hidden)
             if self.proposer is not None:  # idle this step: it only keeps its books (or its KV)
-                self.proposer.skip(sched, hidden, step.pending)
+                self.proposer.skip(sched, hidden, step.pending, inputs.meta.slot_mapping)
             return step
         if inputs.logits_rows:
             self._sample(inputs, hidden, out)
         if self.proposer is not None:  # also without logits: a draft model follows every prefill chunk
-            out.draft_token_ids = self.proposer.propose(DraftStep(sched, out, hidden))
+            out.draft_token_ids = self.proposer.propose(DraftStep(sched, out, hidden, inputs.meta.slot_mapping))
         step.result = out
         return step
 

@@ -137,6 +137,38 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
     return long_parts[0], meta, long_parts[2:]
 
 
+def chain_metadata(seq_lens: list[int], num_active: list[int], tables: list[list[int]], block_size: int,
+                   device: torch.device, staging: HostStaging | None = None
+                   ) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+    """Positions and attention metadata of consecutive one-token steps of the same requests (a
+    proposer's chain of drafts), built and uploaded at once. Step j (0-based) computes one token at
+    position seq_lens[i] + j for requests i < num_active[j] (non-increasing: the requests with the
+    most steps come first)."""
+    staging = staging or _staging_for(device)
+    num_reqs, num_steps = len(seq_lens), len(num_active)
+    s0 = np.asarray(seq_lens, dtype=np.int64)
+    block_tables = np.zeros((num_reqs, max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = t
+    positions = s0[None, :] + np.arange(num_steps)[:, None]  # [steps, reqs]
+    active = np.arange(num_reqs)[None, :] < np.asarray(num_active)[:, None]
+    blocks = np.where(active, positions // block_size, 0)  # steps past a request's own are never read
+    slots = np.take_along_axis(block_tables.T, blocks, axis=0) * block_size + positions % block_size
+    pos_d, slots_d = staging.to_device([positions.ravel(), slots.ravel()], torch.int64)
+    cu_d, lens_d, bt_d = staging.to_device([np.arange(num_reqs + 1), (positions + 1).ravel(),
+                                            block_tables.ravel()], torch.int32)
+    bt_d = bt_d.view(num_reqs, -1)
+    steps = []
+    for j, n in enumerate(num_active):
+        row = slice(j * num_reqs, j * num_reqs + n)
+        lens = positions[j, :n] + 1
+        steps.append((pos_d[row], AttentionMetadata(
+            num_reqs=n, num_tokens=n, max_query_len=1, max_seq_len=int(lens.max()), query_start_loc=cu_d[:n + 1],
+            seq_lens=lens_d[row], block_tables=bt_d[:n], slot_mapping=slots_d[row], query_lens_cpu=[1] * n,
+            seq_lens_cpu=lens.tolist(), block_size=block_size)))
+    return steps
+
+
 def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
                       pad_block_table_to: int = 0, staging: HostStaging | None = None,
                       prev_tokens: PendingTokens | None = None) -> StepInputs:

@@ -7,8 +7,8 @@ copies both, and a prefix-cache hit skips the draft's prefill as well as the tar
 that to hold, the draft runs over every token the target computes, in the same step (prefill chunks
 included): a block registered in the prefix index always holds the draft's KV for its tokens too.
 
-Bookkeeping. Per request, `_computed[req_id]` = the draft's KV is valid for positions
-[0, n). Each step the draft
+Bookkeeping (spec_decode/draft_kv.py). Per request the draft's KV is valid for positions [0, n).
+Each step the draft
   1. catches up, in ONE ragged forward over all scheduled requests, from n to the target's
      verified end (plus the newest sampled token for requests that get drafts); rejected drafts
      need no cleanup: n = min(n, verified) and their slots are simply written again;
@@ -18,8 +18,8 @@ Bookkeeping. Per request, `_computed[req_id]` = the draft's KV is valid for posi
 
 When the policy gives every request k = 0 (a batch that saturates compute), the draft does not run
 at all and falls behind; it catches up in one batched forward when speculation resumes. Blocks the
-target wrote meanwhile are marked stale (`_stale[block_id]`), so a prefix hit on them does not
-trust the draft's KV there and the draft recomputes those positions for the new request.
+target wrote meanwhile are marked stale, so a prefix hit on them does not trust the draft's KV there
+and the draft recomputes those positions for the new request.
 
 Random (non-greedy) requests sample their drafts from q = probs_for(draft logits) with the
 request's temperature / top-k / top-p and generator; q is kept for the rejection sampler.
@@ -30,13 +30,13 @@ import logging
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from specserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from specserve.engine.outputs import SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import draw, probs_for
 from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, step_verified
+from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
 
 if TYPE_CHECKING:
@@ -59,50 +59,35 @@ class DraftModelProposer:
         self.max_model_len = 0
         self.executor: ModelExecutor | None = None  # set by bind
         self.generators: RequestGenerators | None = None
-        self._computed: dict[str, int] = {}
         self._probs: dict[str, torch.Tensor | None] = {}  # q of the current drafts; None = greedy
-        self._stale = np.zeros(0, dtype=bool)
-        self.block_size = 0
+        self.entries = DraftEntries(1, 0)  # sized by bind
 
     def bind(self, binding: ProposerBinding) -> None:
         assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
         self.executor, self.generators = binding.draft, binding.generators
-        self.block_size = binding.draft.block_size
         self.max_model_len = binding.max_model_len
-        self._stale = np.zeros(binding.draft.kv_cache.shape[2], dtype=bool)
+        self.entries = DraftEntries(binding.draft.block_size, binding.draft.kv_cache.shape[2])
         if self.policy.profile_on_bind:
             self.policy.calibrate(binding.target, binding.draft)
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            self._computed.pop(req_id, None)  # a preempted request starts over (from its prefix hits)
+            self.entries.forget(req_id)
             self._probs.pop(req_id, None)
         for req_id in sched.finished_req_ids:
             self.policy.remove(req_id)
-        for src, dst in sched.block_copies:
-            self._stale[dst] = self._stale[src]
+        self.entries.follow_copies(sched.block_copies)
         self.policy.step_started()
 
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched)
 
-    def skip(self, sched: SchedulerOutput, hidden=None, pending=None) -> None:
+    def skip(self, sched: SchedulerOutput, hidden=None, pending=None, slot_mapping=None) -> None:
         """Like a step where every request gets k = 0: the draft falls behind, the blocks the target
         wrote are stale for it. (No drafts were verified: the target computed [start, start + n).)"""
         for s in sched.scheduled:
-            self._fall_behind(s, s.start + s.num_tokens)
+            self.entries.fall_behind(s, s.start + s.num_tokens)
         self.policy.guard.tick()
-
-    def _done(self, s: ScheduledRequest, verified: int) -> int:
-        """Positions whose draft KV is valid, up to the target's verified end."""
-        done = self._computed.get(s.request.request_id)
-        return min(self._trusted_prefix(s) if done is None else done, verified)
-
-    def _fall_behind(self, s: ScheduledRequest, verified: int) -> None:
-        """The draft does not run for this request this step: the blocks the target wrote are stale."""
-        done = self._done(s, verified)
-        self._computed[s.request.request_id] = done
-        self._mark(s.block_ids, done, verified, stale=True)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         assert req_id in self._probs, f"{req_id} has drafts the draft model did not propose"
@@ -129,26 +114,15 @@ class DraftModelProposer:
             slot = slots.get(s.request.request_id)
             verified = s.request.num_tokens + len(slot.new_ids) - 1 if slot else s.start + s.num_tokens
             if not run:
-                self._fall_behind(s, verified)
+                self.entries.fall_behind(s, verified)
             else:
-                segments.append((s, self._done(s, verified), verified, slot))
+                segments.append((s, self.entries.valid(s, verified), verified, slot))
         if not run:
             return {}
         drafts = self._run(segments)
         for s, done, verified, _ in segments:
-            self._mark(s.block_ids, done, verified, stale=False)
+            self.entries.mark(s.block_ids, done, verified, stale=False)
         return drafts
-
-    def _trusted_prefix(self, s: ScheduledRequest) -> int:
-        """A request new to the draft (admitted, re-admitted, forked) starts at its prefix hit,
-        short of the first block whose draft KV is stale."""
-        n = -(-s.start // self.block_size)
-        stale = np.flatnonzero(self._stale[s.block_ids[:n]])
-        return min(s.start, int(stale[0]) * self.block_size) if len(stale) else s.start
-
-    def _mark(self, block_ids: list[int], start: int, end: int, stale: bool) -> None:
-        if end > start:
-            self._stale[block_ids[start // self.block_size:-(-end // self.block_size)]] = stale
 
     def _run(self, segments: list[tuple]) -> dict[str, list[int]]:
         """Catch-up forward over all segments (first drafts from its logits), then k - 1 more steps."""
@@ -161,7 +135,7 @@ class DraftModelProposer:
         for s, done, verified, slot in segments:
             drafting = slot is not None and slot.k > 0
             end = verified + 1 if drafting else verified  # a drafting request feeds its newest token
-            self._computed[s.request.request_id] = end
+            self.entries.computed[s.request.request_id] = end
             if end <= done:
                 continue
             input_ids += _context(s.request, slot.new_ids if slot else [], done, end)
@@ -195,7 +169,7 @@ class DraftModelProposer:
         for i, (slot, row) in enumerate(zip(proposing, tokens.tolist())):
             req_id = slot.sched.request.request_id
             drafts[req_id] = row[:ks[i]]
-            self._computed[req_id] = ends[i] + ks[i] - 1  # its last draft's KV is not written
+            self.entries.computed[req_id] = ends[i] + ks[i] - 1  # its last draft's KV is not written
             self._probs[req_id] = torch.stack(probs[i]) if probs[i] else None
         return drafts
 

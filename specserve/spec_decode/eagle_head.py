@@ -70,6 +70,9 @@ class EagleHead(nn.Module):
         self._lm_head: torch.Tensor | None = None  # [Vd, h]: the target's LM head rows of draft_vocab
         self.backend: AttentionBackend | None = None  # set by the model executor
         self.graph_inputs = {"hidden_states": h}  # extra inputs a captured graph must hold (engine/cuda_graphs.py)
+        # kept per KV slot by the head's executor (engine/executor.py): the target's hidden states,
+        # so the head can catch up on positions of earlier steps (spec_decode/eagle.py)
+        self.slot_states = {"hidden_states": h}
 
     @property
     def draft_vocab_size(self) -> int:

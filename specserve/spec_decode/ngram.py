@@ -140,7 +140,7 @@ class NgramProposer:
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched)
 
-    def skip(self, sched: SchedulerOutput, hidden=None, pending=None) -> None:
+    def skip(self, sched: SchedulerOutput, hidden=None, pending=None, slot_mapping=None) -> None:
         self.policy.guard.tick()  # contexts catch up from the requests' tokens at the next lookup
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:

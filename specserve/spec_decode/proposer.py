@@ -47,6 +47,7 @@ class DraftStep:
     sched: SchedulerOutput
     out: ModelRunnerOutput  # this step's sampled tokens and acceptance counts
     hidden: torch.Tensor  # [num_tokens, hidden_size]: the target's last hidden states of this step
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device: the KV slot of each of those rows
 
 
 class Proposer(Protocol):
@@ -74,10 +75,12 @@ class Proposer(Protocol):
         whatever the step samples. The engine may then keep the step's tokens on the device (async
         scheduling) and call `skip` instead of `propose`."""
 
-    def skip(self, sched: SchedulerOutput, hidden: torch.Tensor, pending: PendingTokens) -> None:
+    def skip(self, sched: SchedulerOutput, hidden: torch.Tensor, pending: PendingTokens,
+             slot_mapping: torch.Tensor) -> None:
         """The step ran without `propose` (see `idle`): keep the books (e.g. a draft model marks the
-        blocks the target wrote as stale for its own KV; an EAGLE head writes its KV from `hidden`,
-        the step's hidden states, and `pending`, its sampled tokens still on the device)."""
+        blocks the target wrote as stale for its own KV; an EAGLE head stores `hidden`, the step's
+        hidden states, at their KV slots `slot_mapping`; `pending`: the step's sampled tokens, still
+        on the device)."""
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         """[num_drafts, vocab] probabilities the request's current drafts were sampled from;

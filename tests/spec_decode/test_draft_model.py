@@ -79,7 +79,7 @@ def test_blocks_computed_without_the_draft_are_not_trusted(tiny_llama_dir, trust
     assert llm.engine.stats()["spec_decode_num_drafts"] == 0
     proposer.policy.plan = plan
     if trust_stale:
-        proposer._trusted_prefix = types.MethodType(lambda self, s: s.start, proposer)
+        proposer.entries._trusted_prefix = types.MethodType(lambda self, s: s.start, proposer.entries)
     out = llm.generate(prompt, GREEDY)[0]
     assert out.num_cached_tokens == 95
     if trust_stale:

@@ -161,6 +161,79 @@ def test_greedy_identity_with_adaptive_k_and_async_steps(tiny_llama_dir, trained
     assert stats["spec_decode_num_drafts"] > 0, "adaptive k never drafted: the case did not run"
 
 
+# -- lazy catch-up: hidden states kept beside the KV ------------------------------------------------
+def _head_query_lens(llm: LLM) -> list[list[int]]:
+    """Wrap the head executor's forward to record each call's per-request query lengths."""
+    executor = llm.engine.proposer.executor
+    calls: list[list[int]] = []
+    forward = executor.forward
+
+    def spy(input_ids, positions, meta, **inputs):
+        calls.append(list(meta.query_lens_cpu))
+        return forward(input_ids, positions, meta, **inputs)
+
+    executor.forward = spy
+    return calls
+
+
+def _eagle_llm(tiny_llama_dir, trained_head_dir, **args) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", device="cpu", block_size=8,
+               speculative_config=eagle_config(trained_head_dir, 3), **args)
+
+
+def test_steps_without_drafts_run_no_head_forward(tiny_llama_dir, trained_head_dir):
+    """While adaptive k gives everyone k = 0 the head does not run at all (the step's hidden states
+    are only stored at their KV slots); when drafting resumes it catches up in one forward over
+    everything the target computed meanwhile, and its drafts are accepted as usual."""
+    llm = _eagle_llm(tiny_llama_dir, trained_head_dir)
+    calls = _head_query_lens(llm)
+    policy = llm.engine.proposer.policy
+    plan, plans = policy.plan, []
+
+    def later(rooms, *a):
+        plans.append(1)
+        return plan(rooms, *a) if len(plans) > 8 else dict.fromkeys(rooms, 0)
+
+    policy.plan = later
+    prompt = spec_prompts()[4]  # 96 tokens
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    assert out.outputs[0].token_ids == reference_one(tiny_llama_dir, prompt)
+    # the first head call: the prompt and the 9 tokens of the plain steps, plus the newest token
+    assert calls[0] == [len(prompt) + 9]
+    assert all(max(c) <= 4 for c in calls[1:])  # then: accepted drafts + the bonus token, or chain steps
+    assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens > 0.3 * out.metrics.num_draft_tokens
+
+
+def reference_one(model_dir, prompt: list[int]) -> list[int]:
+    plain = LLM(str(model_dir), dtype="float32", device="cpu", block_size=8)
+    return plain.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("head_ran", [False, True])
+def test_a_prefix_hit_drafts_as_without_the_cache(tiny_llama_dir, trained_head_dir, head_ran):
+    """A prefix hit brings the target's hidden states of its blocks (kept beside the KV), so the head
+    drafts after a hit exactly as without the prefix cache (the same drafts and acceptance, fp32).
+    Blocks the head never ran over (k = 0 all through the first request) are recomputed from
+    their stored hidden states; blocks it did run over are trusted (only the rest is computed)."""
+    prompt = {"prompt_token_ids": spec_prompts()[4]}  # 96 tokens = 12 full blocks
+    llm = _eagle_llm(tiny_llama_dir, trained_head_dir)
+    policy = llm.engine.proposer.policy
+    plan = policy.plan
+    if not head_ran:
+        policy.plan = lambda rooms, *a: dict.fromkeys(rooms, 0)
+    llm.generate(prompt, GREEDY)
+    policy.plan = plan
+    calls = _head_query_lens(llm)
+    hit = llm.generate(prompt, GREEDY)[0]
+    assert hit.num_cached_tokens == 95
+    assert calls[0] == ([1 + 1] if head_ran else [96 + 1])  # (+ the first sampled token)
+    fresh = _eagle_llm(tiny_llama_dir, trained_head_dir, enable_prefix_caching=False).generate(prompt, GREEDY)[0]
+    assert hit.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert (hit.metrics.num_drafts, hit.metrics.num_accepted_tokens) == \
+        (fresh.metrics.num_drafts, fresh.metrics.num_accepted_tokens)
+    assert fresh.metrics.num_accepted_tokens > 0
+
+
 def test_acceptance_is_real(tiny_llama_dir, trained_head_dir):
     """The trained head predicts the target's text: most drafts are accepted (a random head: almost none)."""
     llm, _ = generate(tiny_llama_dir, "mixed", speculative_config=eagle_config(trained_head_dir, 3))
