@@ -126,6 +126,8 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
         # a draft's catch-up forwards (bonus token + accepted drafts) are 1 + k tokens at most too
         for executor in executors:
             executor.capture_graphs(max_len, sc.max_num_seqs, (1, 1 + k))
+        if proposer is not None:
+            proposer.capture_graphs(max_len, sc.max_num_seqs)
     logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, attention %s", num_blocks,
                 cc.block_size, format_bytes(num_blocks * block_bytes), max_len, backend.name)
     return EngineParts(config, device, loaded, model_name, proposer, target_memory, weight_bytes,

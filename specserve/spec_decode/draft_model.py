@@ -70,6 +70,9 @@ class DraftModelProposer:
         if self.policy.profile_on_bind:
             self.policy.calibrate(binding.target, binding.draft)
 
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """Nothing of its own to capture (a draft model's steps replay its executor's graphs)."""
+
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.entries.forget(req_id)

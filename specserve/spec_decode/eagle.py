@@ -39,10 +39,12 @@ import torch
 
 from specserve.engine.outputs import SchedulerOutput
 from specserve.engine.step_inputs import PendingTokens, batch_metadata, chain_metadata
+from specserve.models.layers.attention import AttentionMetadata
 from specserve.sample.sampler import draw, probs_for
 from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, step_verified
 from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.draft_model import _context
+from specserve.spec_decode.eagle_chain import ChainGraphs
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
 
@@ -68,6 +70,7 @@ class EagleProposer:
         self.entries = DraftEntries(1, 0)  # sized by bind
         self._hidden: torch.Tensor | None = None  # [num_slots + 1, h]: the target's hidden state per KV slot
         self._probs: dict[str, torch.Tensor | None] = {}  # q of the current drafts; None = greedy
+        self.chain_graphs: ChainGraphs | None = None  # on CUDA, by capture_graphs
 
     def bind(self, binding: ProposerBinding) -> None:
         assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
@@ -77,6 +80,13 @@ class EagleProposer:
         self._hidden = binding.draft.slot_states["hidden_states"]
         if self.policy.profile_on_bind:
             self.policy.calibrate(binding.target, binding.draft)
+
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """CUDA: the greedy chain of drafts as one graph per (batch size, k) (spec_decode/eagle_chain.py)."""
+        ex = self.executor
+        self.chain_graphs = ChainGraphs(self.head, ex.kv_caches, ex.device, self.entries.block_size, max_model_len,
+                                        max_num_seqs, self.num_lookahead_tokens)
+        self.chain_graphs.capture()
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
@@ -124,8 +134,15 @@ class EagleProposer:
                     segments.append((slot, self.entries.valid(s, verified), verified + 1))
             if not segments:
                 return {}
-            return self._chain(self._catch_up(segments), [slot for slot, _, _ in segments],
-                               [end for _, _, end in segments])
+            drafting = [slot for slot, _, _ in segments]
+            ks = [slot.k for slot in drafting]
+            out, meta, ks_d = self._catch_up(segments, ks)
+            chain = self.chain_graphs
+            if chain is not None and chain.can_run(len(ks), max(ks)) and \
+                    all(slot.sched.request.sampling_params.greedy for slot in drafting):
+                rows = chain.run(out, meta.seq_lens, ks_d, meta.block_tables, max(ks)).tolist()
+                return self._drafts(drafting, rows, [[] for _ in drafting])
+            return self._chain(out, drafting, [end for _, _, end in segments])
         finally:  # the step's time, catch-up and drafting included, goes to the guard
             self.policy.proposals_made()
 
@@ -133,9 +150,11 @@ class EagleProposer:
         """The step's hidden states [num_tokens, h] at its KV slots [num_tokens]."""
         self._hidden.index_copy_(0, slot_mapping, hidden.to(self._hidden.dtype))
 
-    def _catch_up(self, segments: list[tuple[DraftSlot, int, int]]) -> torch.Tensor:
-        """The head's entries [start, end) of each drafting request, in one ragged forward; returns
-        the outputs of each request's last entry (the newest token's) [P, h]."""
+    def _catch_up(self, segments: list[tuple[DraftSlot, int, int]], ks: list[int]
+                  ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The head's entries [start, end) of each drafting request, in one ragged forward. Returns
+        the outputs of each request's last entry (the newest token's) [P, h], the forward's metadata
+        (seq_lens = the ends, block tables) and `ks` on the device [P]."""
         bs = self.entries.block_size
         zero = self._hidden.shape[0] - 1  # the slot index of a zero hidden state
         ids: list[int] = []
@@ -152,11 +171,11 @@ class EagleProposer:
             tables.append(s.block_ids)
             self.entries.written(s, start, end)
         ex = self.executor
-        positions, meta, (ids_d, src_d) = batch_metadata(
+        positions, meta, (ids_d, src_d, ks_d) = batch_metadata(
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
-            extra_int64=[np.asarray(ids, dtype=np.int64), np.concatenate(sources)])
+            extra_int64=[np.asarray(ids, dtype=np.int64), np.concatenate(sources), np.asarray(ks, dtype=np.int64)])
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
-        return g[meta.query_start_loc[1:].long() - 1]
+        return g[meta.query_start_loc[1:].long() - 1], meta, ks_d
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -183,10 +202,15 @@ class EagleProposer:
                 positions, meta = steps[j - 1]
                 out = ex.forward(tokens[:n, j - 1], positions, meta, hidden_states=out[:n])
             tokens[:n, j] = self._sample(ex.compute_logits(out), drafting[:n], probs[:n])
+        return self._drafts(drafting, tokens.tolist(), probs)
+
+    def _drafts(self, drafting: list[DraftSlot], rows: list[list[int]], probs: list[list[torch.Tensor]]
+                ) -> dict[str, list[int]]:
+        """Each request's first k tokens of its row; q of its drafts kept for the rejection sampler."""
         drafts: dict[str, list[int]] = {}
-        for slot, k, row, q in zip(drafting, ks, tokens.tolist(), probs):
+        for slot, row, q in zip(drafting, rows, probs):
             req_id = slot.sched.request.request_id
-            drafts[req_id] = row[:k]
+            drafts[req_id] = row[:slot.k]
             self._probs[req_id] = torch.stack(q) if q else None
         return drafts
 

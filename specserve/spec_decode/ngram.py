@@ -96,6 +96,9 @@ class NgramProposer:
         if self.policy.profile_on_bind:
             self.policy.calibrate(binding.target)
 
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """Nothing to capture: n-gram lookup runs no model."""
+
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self._contexts.pop(req_id, None)

@@ -64,6 +64,9 @@ class Proposer(Protocol):
     def bind(self, binding: ProposerBinding) -> None:
         """Called once by the engine builder, before the first step."""
 
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """On CUDA, after the executors captured theirs: capture the proposer's own graphs (if any)."""
+
     def begin_step(self, sched: SchedulerOutput) -> None:
         """Forget finished and preempted requests; follow the step's copy-on-write block copies."""
 

@@ -234,6 +234,33 @@ def test_a_prefix_hit_drafts_as_without_the_cache(tiny_llama_dir, trained_head_d
     assert fresh.metrics.num_accepted_tokens > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, trained_head_dir):
+    """On a GPU (triton backend): the greedy chain replayed from one CUDA graph per (batch, k) drafts
+    what the eager chain drafts (same acceptance, fp32), and output is the torch backend's."""
+    prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
+    args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
+                max_num_batched_tokens=64, speculative_config=eagle_config(trained_head_dir, 3))
+    runs = {}
+    for name, kw in {"torch": dict(attention_backend="torch"), "eager": dict(attention_backend="triton", enforce_eager=True),
+                     "graph": dict(attention_backend="triton")}.items():
+        llm = LLM(str(tiny_llama_dir), **args, **kw)
+        chain = llm.engine.proposer.chain_graphs
+        assert (chain is not None) == (name == "graph")
+        replays = []
+        if chain is not None:
+            run = chain.run
+            chain.run = lambda *a: replays.append(1) or run(*a)
+        outs = llm.generate(prompts, GREEDY)
+        stats = llm.engine.stats()
+        runs[name] = ([o.outputs[0].token_ids for o in outs], stats["spec_decode_num_drafts"],
+                      stats["spec_decode_num_accepted_tokens"])
+        assert name != "graph" or len(replays) > 0
+    assert runs["graph"] == runs["eager"]
+    assert runs["graph"][0] == runs["torch"][0] and runs["graph"][2] > 0
+
+
 def test_acceptance_is_real(tiny_llama_dir, trained_head_dir):
     """The trained head predicts the target's text: most drafts are accepted (a random head: almost none)."""
     llm, _ = generate(tiny_llama_dir, "mixed", speculative_config=eagle_config(trained_head_dir, 3))

@@ -1,0 +1,111 @@
+"""The EAGLE chain of greedy drafts as one CUDA graph per (padded batch size, k).
+
+After the catch-up (spec_decode/eagle.py) each drafting request has its newest token's head output
+g_{L-1}. The chain turns it into k drafts: d_1 = argmax(logits(g_{L-1})), then for j = 1 .. k - 1 one
+head forward of one token per request at position L - 1 + j (token d_j, the head's previous output
+as hidden state) and d_{j+1} = its argmax. Eagerly that is k - 1 forwards, each with its own
+metadata, launches and graph-buffer copies. Here the whole chain is captured once and replayed: the
+positions, KV slots and sequence lengths of every step are computed on the device from the requests'
+context lengths L and block tables (both already there: the catch-up's metadata), so a replay costs
+a few buffer copies and one launch, and the host waits only for the drafts it reads back.
+
+A request with fewer drafts than the graph's k (adaptive k differs per request) repeats its last
+chain position for the remaining steps without writing KV (slot PAD_SLOT_ID; reading its own valid
+positions only); padding requests compute position 0 of block 0 and write nothing. Their extra
+tokens are dropped. Random requests draw from per-request generators and run the eager chain.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from specserve.engine.cuda_graphs import CAPTURE_SIZES
+from specserve.models.layers.attention import PAD_SLOT_ID, AttentionMetadata
+from specserve.spec_decode.eagle_head import EagleHead
+
+logger = logging.getLogger(__name__)
+
+MAX_CHAIN_BATCH = 128  # larger drafting batches are rare (adaptive k) and run the eager chain
+
+
+class ChainGraphs:
+    def __init__(self, head: EagleHead, kv_caches: list[torch.Tensor], device: torch.device, block_size: int,
+                 max_model_len: int, max_num_seqs: int, max_k: int) -> None:
+        self.head = head
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        cap = min(max_num_seqs, MAX_CHAIN_BATCH)
+        self.sizes = sorted({s for s in CAPTURE_SIZES if s < cap} | {cap})
+        self.max_k = max_k
+        batch, h = self.sizes[-1], head.cfg.hidden_size
+        dtype = head.fc.weight.dtype
+        self.out0 = torch.zeros(batch, h, dtype=dtype, device=device)  # g_{L-1} per request
+        self.seq_lens = torch.ones(batch, dtype=torch.int32, device=device)  # L: context length
+        self.ks = torch.zeros(batch, dtype=torch.long, device=device)  # drafts per request
+        self.block_tables = torch.zeros(batch, -(-max_model_len // block_size), dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(batch, max_k, dtype=torch.long, device=device)  # drafts (target ids)
+        self._query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        for batch in reversed(self.sizes):  # largest first: the rest reuse its pool
+            for k in range(self.max_k, 0, -1):
+                self._chain(batch, k)  # warm-up: compile kernels, settle allocations
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._chain(batch, k)
+                pool = graph.pool()
+                self.graphs[(batch, k)] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d EAGLE chain graphs (batch %d..%d, k 1..%d) in %.1fs", len(self.graphs),
+                    self.sizes[0], self.sizes[-1], self.max_k, time.perf_counter() - t0)
+
+    def can_run(self, num_reqs: int, k: int) -> bool:
+        return num_reqs <= self.sizes[-1] and k <= self.max_k
+
+    def run(self, out0: torch.Tensor, seq_lens: torch.Tensor, ks: torch.Tensor, block_tables: torch.Tensor,
+            max_k: int) -> torch.Tensor:
+        """out0: [P, h] the newest entries' head outputs; seq_lens: [P] int32 context lengths L;
+        ks: [P] int64 drafts per request, at most max_k; block_tables: [P, W] int32. Returns the
+        drafts [P, max_k] (a view of a graph buffer: read it before the next replay)."""
+        n, width = block_tables.shape
+        batch = next(s for s in self.sizes if s >= n)
+        k = max_k
+        self.out0[:n].copy_(out0)
+        self.seq_lens[:n].copy_(seq_lens)
+        self.ks[:n].copy_(ks)
+        self.block_tables[:n, :width].copy_(block_tables)
+        if batch > n:  # padding requests: no drafts, position 0, nothing written
+            self.seq_lens[n:batch].fill_(1)
+            self.ks[n:batch].zero_()
+        self.graphs[(batch, k)].replay()
+        return self.tokens[:n, :k]
+
+    def _chain(self, batch: int, k: int) -> None:
+        """The captured work: k drafts for the first `batch` requests of the buffers."""
+        head, bs = self.head, self.block_size
+        vocab = head.draft_vocab
+        out = self.out0[:batch]
+        first = self.seq_lens[:batch].long()  # L: the position of the chain's first head entry
+        last_step = (self.ks[:batch] - 2).clamp(min=-1)  # a request's last chain step (-1: none)
+        tables = self.block_tables[:batch]
+        tokens = self.tokens[:batch]
+        tokens[:, 0] = vocab[head.compute_logits(out).argmax(dim=-1)]
+        for j in range(1, k):
+            positions = first + torch.clamp(last_step, max=j - 1)  # past its own k: its last position again
+            blocks = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
+            slots = torch.where(last_step >= j - 1, blocks * bs + positions % bs, PAD_SLOT_ID)
+            meta = AttentionMetadata(
+                num_reqs=batch, num_tokens=batch, max_query_len=1, max_seq_len=self.max_model_len,
+                query_start_loc=self._query_start_loc[:batch + 1], seq_lens=(positions + 1).int(),
+                block_tables=tables, slot_mapping=slots, query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch,
+                block_size=bs)
+            out = head(tokens[:, j - 1], positions, self.kv_caches, meta, hidden_states=out)
+            tokens[:, j] = vocab[head.compute_logits(out).argmax(dim=-1)]
