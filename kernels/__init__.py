@@ -1,7 +1,7 @@
 """Triton kernels of specserve and their plain-PyTorch references (import name `specserve.kernels`)."""
 from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
 from specserve.kernels.attention_config import KernelConfig, select_configs
-from specserve.kernels.paged_attention import paged_attention, ref_paged_attention
+from specserve.kernels.paged_attention import paged_attention, ref_paged_attention, warm_up_paged_attention
 from specserve.kernels.reshape_and_cache import ref_reshape_and_cache, reshape_and_cache
 from specserve.kernels.rms_norm import ref_rms_norm, rms_norm
 from specserve.kernels.rotary import ref_rotary_embedding, rotary_embedding
@@ -19,4 +19,5 @@ __all__ = [
     "rotary_embedding",
     "select_configs",
     "silu_and_mul",
+    "warm_up_paged_attention",
 ]

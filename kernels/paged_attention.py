@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.attention_config import KernelConfig, select_configs
+from specserve.kernels.attention_config import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, KernelConfig, select_configs
 
 LOG2E = 1.4426950408889634
 M_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(M_INIT - M_INIT) stays 1, never NaN
@@ -347,6 +347,38 @@ def paged_attention(
             PER_REQUEST=False, SKIP_Q_LEN=short_q, num_warps=long.num_warps, num_stages=long.num_stages,
             **common)
     return out
+
+
+def warm_up_paged_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            block_size: int, max_model_len: int, device: torch.device,
+                            sliding_windows: tuple[int | None, ...] = (None,)) -> int:
+    """Launch, on a one-request batch, every kernel variant `paged_attention` can pick for heads of
+    this shape: each short tile (by query length), each KV split a context of up to `max_model_len`
+    tokens can get, the long launch, with and without each sliding window. Triton compiles a variant
+    on its first launch (about a second); one first met while serving stalls that step. Returns the
+    number of launches (variants met before cost nothing: Triton's cache)."""
+    qpk_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    # the shortest query lengths of each short tile (16 / 32 / 64 rows), and one past each (long launch)
+    rows = (16, 32, 64)
+    q_lens = sorted({max(1, r // qpk_pad) for r in rows} | {max(1, r // qpk_pad) + 1 for r in rows})
+    max_splits = min(MAX_SPLITS, 1 << (max(1, max_model_len // MIN_TOKENS_PER_SPLIT).bit_length() - 1))
+    seq_len = max(max(q_lens), min(max_model_len, max_splits * MIN_TOKENS_PER_SPLIT))
+    num_blocks = -(-seq_len // block_size)
+    kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    tables = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+    lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+    launches = 0
+    for window in sliding_windows:
+        for q_len in q_lens:
+            query = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
+            starts = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+            splits = 1
+            while splits <= max_splits:
+                paged_attention(query, kv, starts, lens, tables, 1.0, q_len, seq_len, sliding_window=window,
+                                num_splits=splits)
+                launches += 1
+                splits *= 2
+    return launches
 
 
 _SM_COUNT: dict[int, int] = {}

@@ -120,6 +120,9 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
                                       max_len))
         rejection = RejectionSampler(config.spec.simulated_acceptance, seed=mc.seed)
     runner = ModelRunner(executors, generators, proposer, rejection, seed=mc.seed)
+    if device.type == "cuda" and backend.name == "triton":
+        for executor in executors:
+            executor.warm_up_kernels(max_len)
     if device.type == "cuda" and not config.enforce_eager and backend.name == "triton" \
             and cuda_graph_safe(loaded.model, draft):
         k = config.spec.num_speculative_tokens if config.spec else 0

@@ -59,6 +59,14 @@ class ModelExecutor:
                                    max_num_seqs, query_lens)
         self.graphs.capture()
 
+    def warm_up_kernels(self, max_model_len: int) -> None:
+        """Compile the attention kernel variants this model's layers can launch (a variant first met while
+        serving would stall that step: Triton compiles it then)."""
+        cfg = self.model.cfg
+        windows = {getattr(m, "sliding_window", None) for m in self.model.modules()}
+        self.backend.warm_up(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.kv_cache.dtype, self.block_size,
+                             max_model_len, self.device, tuple(sorted(windows, key=lambda w: w or 0)))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 **inputs: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]. `inputs`:

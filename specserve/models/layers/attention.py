@@ -47,6 +47,10 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
+    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                max_model_len: int, device: torch.device, sliding_windows: tuple[int | None, ...]) -> None:
+        """Compile (once, before serving) every kernel variant attention of this shape can launch."""
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precompute per-step tensors (once per step, shared by all layers) into `meta.extra`."""
 

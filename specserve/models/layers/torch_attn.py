@@ -42,6 +42,10 @@ class _Group:
 class TorchAttentionBackend:
     name = "torch"
 
+    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                max_model_len: int, device: torch.device, sliding_windows: tuple[int | None, ...]) -> None:
+        """Nothing to compile."""
+
     def prepare(self, meta: AttentionMetadata) -> None:
         decodes = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
         short = [i for i, q in enumerate(meta.query_lens_cpu) if 1 < q <= SHORT_QUERY_MAX]

@@ -16,10 +16,16 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self) -> None:
-        from specserve.kernels import paged_attention, reshape_and_cache  # needs triton
+        from specserve.kernels import paged_attention, reshape_and_cache, warm_up_paged_attention  # needs triton
 
         self._paged_attention = paged_attention
         self._reshape_and_cache = reshape_and_cache
+        self._warm_up = warm_up_paged_attention
+
+    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                max_model_len: int, device: torch.device, sliding_windows: tuple[int | None, ...]) -> None:
+        """Compile every attention kernel variant these heads can need (kernels/paged_attention.py)."""
+        self._warm_up(num_heads, num_kv_heads, head_dim, dtype, block_size, max_model_len, device, sliding_windows)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to precompute: the kernels read the metadata tensors directly."""
