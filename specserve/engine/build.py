@@ -117,7 +117,7 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
         from specserve.spec_decode.rejection import RejectionSampler
 
         proposer.bind(ProposerBinding(executors[0], executors[1] if draft is not None else None, generators,
-                                      max_len))
+                                      max_len, config.scheduler.async_scheduling))
         rejection = RejectionSampler(config.spec.simulated_acceptance, seed=mc.seed)
     runner = ModelRunner(executors, generators, proposer, rejection, seed=mc.seed)
     if device.type == "cuda" and backend.name == "triton":
@@ -140,10 +140,13 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
 def with_device_defaults(config: EngineConfig, device: torch.device) -> EngineConfig:
     """A copy of `config` with what it left to the device filled in."""
     sc = config.scheduler
-    if sc.max_num_batched_tokens is not None:
-        return config
-    tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
-    return dataclasses.replace(config, scheduler=dataclasses.replace(sc, max_num_batched_tokens=tokens))
+    tokens = sc.max_num_batched_tokens
+    if tokens is None:
+        tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
+    # async scheduling: on by default on CUDA (README)
+    overlap = sc.async_scheduling if sc.async_scheduling is not None else device.type == "cuda"
+    return dataclasses.replace(config, scheduler=dataclasses.replace(sc, max_num_batched_tokens=tokens,
+                                                                     async_scheduling=overlap))
 
 
 def _model_path(config: EngineConfig) -> tuple[str, str]:

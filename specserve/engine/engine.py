@@ -72,8 +72,7 @@ class LLMEngine:
         self._rejected: dict[str, str] = {}  # request id -> why: its grammar did not compile
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
-        async_scheduling = parts.config.scheduler.async_scheduling
-        self.async_scheduling = async_scheduling if async_scheduling is not None else self.device.type == "cuda"
+        self.async_scheduling = bool(parts.config.scheduler.async_scheduling)  # resolved by the builder
         self._inflight = None  # a launched step whose sampled tokens are still on the device
         self._touched: dict[str, _Group] = {}  # groups with news since the last step() returned
         self.outputs = OutputProcessor(self.tokenizer)  # text for the requests of add_request

@@ -77,7 +77,32 @@ class AdaptiveK:
         self._t_verified: float | None = None
         self._propose_seconds = 0.0
         self._carried_seconds = 0.0
-        self._predicted_gain = 0.0  # relative speedup the last plan expected of its drafts (untrusted model)
+        # the last plan: the accepted tokens the model expects of its drafts (before the guard's
+        # scaling), and its step's modelled cost over the plain step's
+        self._predicted_accepted, self._cost_ratio = 0.0, 1.0
+        # async scheduling (set by the proposer's bind): a step without drafts may run deferred
+        # (`step_skipped`), overlapped with the host's work on the next one, which makes it cheaper
+        # than the same step run synchronously. Then the plain-step time the guard judges drafting
+        # steps against comes from deferred steps (the interval to the next step's start), and the
+        # probes for it run deferred too.
+        self.async_steps = False
+        self._skipped: tuple[int, float] | None = None  # (base tokens, start) of a step left in flight
+        self._after_skip = False  # the step before this one was left in flight
+        self._skipping = False  # this step is left in flight
+        self._probe_left = 0  # steps still to run without drafts (deferrable) to time a plain step
+        # what a drafting step costs beyond the model (the proposer's host work, a synchronous step's
+        # lost overlap, launches), in plain-step cost units: measured from drafting steps against
+        # the guard's plain-step time, and paid by any plan that drafts. It decays a little every step
+        # so a bad sample (a compile, a burst of other work) does not stop drafting for good.
+        self.step_overhead = 0.0
+        self.overhead_decay = 0.995
+        self._plan_steps = -1  # draft steps of the last plan (its K; -1: none made yet)
+        # after a plan without drafts, steps without drafts run deferred (`idle`) without planning
+        # (a synchronous step costs more than one left in flight), until the next plan: after 8
+        # steps, doubling with each plan in a row that drafts nothing, up to `replan_every`
+        self.replan_every = 32
+        self._skips_since_plan = 0
+        self._empty_plans = 0
         self._est: dict[str, _Estimate] = {}
 
     def acceptance(self, key: Hashable) -> float:
@@ -107,9 +132,40 @@ class AdaptiveK:
             self.draft_cost = profile_forward(draft, sizes=(1,))[1] / times[1]
 
     def step_started(self) -> None:
-        """The target step begins (the runner's begin_step): start its clock."""
-        self._step_t0 = time.perf_counter()
+        """The target step begins (the runner's begin_step): start its clock. A step before it left in
+        flight (`step_skipped`) took until now: the time of a plain step under async scheduling."""
+        now = time.perf_counter()
+        if self._skipped is not None:
+            num_base, t0 = self._skipped
+            self._skipped = None
+            self.guard.observe(num_base, self.costs(num_base), now - t0, 0, 0, 0)
+        self._probe_left = max(0, self._probe_left - 1)
+        self._after_skip, self._skipping = self._skipping, False
+        self.step_overhead *= self.overhead_decay
+        self._step_t0 = now
         self._carried_seconds, self._propose_seconds = self._propose_seconds, 0.0
+
+    def step_skipped(self, num_base_tokens: int) -> None:
+        """This step runs without `propose`, left in flight (async scheduling): its time is known at
+        the next step's start."""
+        # after a synchronous step nothing was in flight: the next step starts as soon as this one is
+        # launched, so only a deferred step after a deferred step is timed by the interval
+        if self._after_skip and self._step_t0 is not None and num_base_tokens > 0:
+            self._skipped = (num_base_tokens, self._step_t0)
+        else:
+            self.guard.tick()
+        self._skipping = True
+        self._skips_since_plan += 1
+        self._step_t0 = None
+
+    def plans_nothing(self) -> bool:
+        """Did the last plan give no drafts (and is it recent enough to go by without planning)?"""
+        wait = min(self.replan_every, 4 << min(self._empty_plans, 8))
+        return self._plan_steps == 0 and self._skips_since_plan < wait
+
+    def probing(self) -> bool:
+        """Are plain steps being timed (under async scheduling: they should run deferred)?"""
+        return self._probe_left > 0
 
     def step_finished(self, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
                       num_accepted: int) -> None:
@@ -122,9 +178,25 @@ class AdaptiveK:
         if self._step_t0 is None or num_base_tokens <= 0:
             return
         seconds, self._step_t0 = self._t_verified - self._step_t0 + self._carried_seconds, None
-        predicted = self._predicted_gain if num_draft_tokens else 0.0
+        if num_draft_tokens == 0 and self.async_steps and not self.probing():
+            # a plain step run synchronously costs more than one left in flight: not the reference
+            # (unless a probe step could not be deferred: requests with penalties, grammars, ...)
+            self.guard.tick()
+            return
+        if num_draft_tokens:
+            self._learn_overhead(num_base_tokens, num_draft_tokens, seconds)
+        predicted = self._predicted_accepted if num_draft_tokens else 0.0
         self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled, num_accepted,
-                           num_draft_tokens, predicted)
+                           num_draft_tokens, predicted, self._cost_ratio)
+
+    def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, seconds: float) -> None:
+        """A drafting step took `seconds`: what the model misses of it goes into `step_overhead`."""
+        unit = self.guard.plain_unit(num_base_tokens)
+        if unit is None:
+            return
+        modelled = self.costs(num_base_tokens + num_draft_tokens) + max(self._plan_steps, 0) * self.draft_cost
+        sample = min(max(seconds / unit - modelled, 0.0), 3.0 * self.costs(num_base_tokens))
+        self.step_overhead = 0.8 * self.step_overhead + 0.2 * sample
 
     def proposals_made(self) -> None:
         """The proposer's work after `step_finished` is done (its catch-up, lookups and the next
@@ -154,7 +226,7 @@ class AdaptiveK:
         """What `num_spec` drafts (and `num_draft_steps` draft-model steps) add to a step over
         `num_base_tokens` tokens."""
         target = self.costs(num_base_tokens + num_spec) - self.costs(num_base_tokens)
-        return target + num_draft_steps * self.draft_cost
+        return target + num_draft_steps * self.draft_cost + self.step_overhead
 
     def plan(self, rooms: dict[str, int], num_base_tokens: int, max_spec_tokens: int,
              keys: dict[str, Hashable] | None = None) -> dict[str, int]:
@@ -165,8 +237,12 @@ class AdaptiveK:
         if not self.adaptive:
             return {r: max(0, min(self.max_k, room)) for r, room in rooms.items()}
         ks = dict.fromkeys(rooms, 0)
-        self._predicted_gain = 0.0
-        if max_spec_tokens <= 0 or self.guard.wants_probe(num_base_tokens):
+        self._predicted_accepted, self._cost_ratio = 0.0, 1.0
+        self._skips_since_plan = 0
+        if max_spec_tokens <= 0 or self.probing() or self.guard.wants_probe(num_base_tokens):
+            if not self.probing() and self.async_steps and max_spec_tokens > 0:
+                self._probe_left = 3  # a few plain steps, deferred: two intervals between their starts
+            self._plan_steps = -1  # no drafts this time, but not because none would pay
             self._rest({keys[r] for r in rooms})
             return ks
         # The draft steps' cost is shared: one draft forward serves every drafting request, so it is
@@ -199,7 +275,9 @@ class AdaptiveK:
             if plan[3] and beats_plain and tokens * best[1] > best[0] * cost:
                 best = plan
         _, cost, ks, model_gain = best
-        self._predicted_gain = (len(rooms) + model_gain) / len(rooms) * base_cost / cost - 1.0
+        self._plan_steps = max(ks.values(), default=0)
+        self._empty_plans = self._empty_plans + 1 if self._plan_steps == 0 else 0
+        self._predicted_accepted, self._cost_ratio = model_gain, cost / base_cost
         self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
         return ks
 
@@ -209,7 +287,7 @@ class AdaptiveK:
         """`plan` with at most `max_steps` draft steps, paid for up front (when some request drafts):
         (expected tokens, cost, ks, the model's gain without the guard's scaling)."""
         ks = dict.fromkeys(rooms, 0)
-        fixed = max_steps * self.draft_cost
+        fixed = max_steps * self.draft_cost + self.step_overhead
         tokens, num_spec, model_gain = float(len(rooms)), 0, 0.0
         cost = base_cost + fixed
         for req_id in order:
@@ -291,7 +369,13 @@ def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
     no draft could pay off at this batch size, whatever it samples (the policy's cheap test)."""
     num_sampled = sum(1 for s in sched.scheduled if s.sample)
     num_base = sum(1 if s.sample else s.num_tokens for s in sched.scheduled)  # as in sampled_slots
-    return num_sampled == 0 or not policy.worth_trying(num_sampled, num_base)
+    return (num_sampled == 0 or policy.probing() or policy.plans_nothing()
+            or not policy.worth_trying(num_sampled, num_base))
+
+
+def skipped(policy: AdaptiveK, sched: SchedulerOutput) -> None:
+    """`Proposer.skip` for proposers driven by the policy: the step runs deferred (timed at the next)."""
+    policy.step_skipped(sum(1 if s.sample else s.num_tokens for s in sched.scheduled))
 
 
 def plan_step(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput, max_model_len: int,

@@ -35,7 +35,7 @@ import torch
 from specserve.engine.outputs import SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import draw, probs_for
-from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, step_verified
+from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, skipped, step_verified
 from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
 
@@ -66,6 +66,7 @@ class DraftModelProposer:
         assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
         self.executor, self.generators = binding.draft, binding.generators
         self.max_model_len = binding.max_model_len
+        self.policy.async_steps = binding.async_scheduling
         self.entries = DraftEntries(binding.draft.block_size, binding.draft.kv_cache.shape[2])
         if self.policy.profile_on_bind:
             self.policy.calibrate(binding.target, binding.draft)
@@ -90,7 +91,7 @@ class DraftModelProposer:
         wrote are stale for it. (No drafts were verified: the target computed [start, start + n).)"""
         for s in sched.scheduled:
             self.entries.fall_behind(s, s.start + s.num_tokens)
-        self.policy.guard.tick()
+        skipped(self.policy, sched)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         assert req_id in self._probs, f"{req_id} has drafts the draft model did not propose"

@@ -41,7 +41,7 @@ from specserve.engine.outputs import SchedulerOutput
 from specserve.engine.step_inputs import PendingTokens, batch_metadata, chain_metadata
 from specserve.models.layers.attention import AttentionMetadata
 from specserve.sample.sampler import draw, probs_for
-from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, step_verified
+from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, skipped, step_verified
 from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.draft_model import _context
 from specserve.spec_decode.eagle_chain import ChainGraphs
@@ -76,6 +76,7 @@ class EagleProposer:
         assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
         self.executor, self.generators = binding.draft, binding.generators
         self.max_model_len = binding.max_model_len
+        self.policy.async_steps = binding.async_scheduling
         self.entries = DraftEntries(binding.draft.block_size, binding.draft.kv_cache.shape[2])
         self._hidden = binding.draft.slot_states["hidden_states"]
         if self.policy.profile_on_bind:
@@ -106,7 +107,7 @@ class EagleProposer:
         self._store(hidden, slot_mapping)
         for s in sched.scheduled:
             self.entries.fall_behind(s, s.start + s.num_tokens)
-        self.policy.guard.tick()
+        skipped(self.policy, sched)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         assert req_id in self._probs, f"{req_id} has drafts the EAGLE head did not propose"

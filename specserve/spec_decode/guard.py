@@ -8,11 +8,12 @@ says. So every step reports its wall time, and the guard compares:
 
 - plain steps (no drafts): the recent seconds per unit of modelled cost, per token-count bucket
   (`seconds / costs(num_tokens)`, exact up to 16 tokens, 3 significant bits above);
-- drafting steps: the realized gain, (sampled + accepted) / sampled x plain time / seconds - 1,
-  where the plain time is what the same step without drafts would have taken (that unit x
-  costs(base tokens)), against the gain the policy predicted when it chose those drafts.
+- drafting steps: the realized speedup, (sampled + accepted) / sampled x plain time / seconds, where
+  the plain time is what the same step without drafts would have taken (that unit x costs(base
+  tokens)), turned into the accepted tokens that would have given that speedup at the cost the policy
+  planned the step at, against the accepted tokens the policy expected of those drafts.
 
-`trust(base)` = decayed realized gains / decayed predicted gains over recent drafting steps of a
+`trust(base)` = decayed realized / decayed expected accepted tokens over recent drafting steps of a
 batch of that size (power-of-2 buckets), with a prior of a few typical steps pulling it to 1,
 clipped to [0, 1];
 the policy scales its expected accepted tokens by it. Drafts that do not pay in practice are thus
@@ -52,10 +53,12 @@ class RealizedGain:
         self._unjudged: dict[int, int] = {}  # unit bucket -> drafting steps since its plain time went stale
 
     def observe(self, num_base_tokens: int, base_cost: float, seconds: float, num_sampled: int,
-                num_accepted: int, num_draft_tokens: int, predicted_gain: float) -> None:
+                num_accepted: int, num_draft_tokens: int, predicted_accepted: float = 0.0,
+                cost_ratio: float = 1.0) -> None:
         """A step over `num_base_tokens` tokens (modelled cost `base_cost`) plus `num_draft_tokens`
         drafts took `seconds`; `num_sampled` requests sampled and accepted `num_accepted` drafts;
-        `predicted_gain`: the relative speedup the policy expected of those drafts."""
+        `predicted_accepted`: the accepted tokens the policy expected of those drafts, at a modelled
+        step cost of `cost_ratio` x the plain step's."""
         self.tick()
         if seconds <= 0 or base_cost <= 0:
             return
@@ -74,13 +77,14 @@ class RealizedGain:
         if unit is None or self.num_steps - unit[1] > self.max_age:
             self._unjudged[bucket] = self._unjudged.get(bucket, 0) + 1
             return
-        if num_sampled <= 0 or predicted_gain <= 0:
+        if num_sampled <= 0 or predicted_accepted <= 0:
             return
-        realized = (num_sampled + num_accepted) / num_sampled * unit[0] * base_cost / seconds - 1.0
-        sums = self._gain.setdefault(_gain_bucket(num_base_tokens), [0.0, 0.0, predicted_gain])
-        sums[0] += max(realized, -1.0)
-        sums[1] += predicted_gain
-        sums[2] = 0.8 * sums[2] + 0.2 * predicted_gain
+        speedup = (num_sampled + num_accepted) / num_sampled * unit[0] * base_cost / seconds
+        realized = (speedup * cost_ratio - 1.0) * num_sampled  # accepted tokens worth that speedup
+        sums = self._gain.setdefault(_gain_bucket(num_base_tokens), [0.0, 0.0, predicted_accepted])
+        sums[0] += max(realized, -float(num_sampled))
+        sums[1] += predicted_accepted
+        sums[2] = 0.8 * sums[2] + 0.2 * predicted_accepted
 
     def tick(self) -> None:
         """A step went by (observed, or run without the proposer): the gain sums decay, so a low
@@ -89,6 +93,11 @@ class RealizedGain:
         for sums in self._gain.values():
             sums[0] *= self.decay
             sums[1] *= self.decay
+
+    def plain_unit(self, num_base_tokens: int) -> float | None:
+        """Seconds per cost unit of recent plain steps over such a batch (None: none recent)."""
+        unit = self._unit.get(_unit_bucket(num_base_tokens))
+        return unit[0] if unit is not None and self.num_steps - unit[1] <= self.max_age else None
 
     def wants_probe(self, num_base_tokens: int) -> bool:
         """Should the next step over such a batch run without drafts? Yes after two drafting steps

@@ -15,7 +15,7 @@ import torch
 
 from specserve.engine.outputs import SchedulerOutput
 from specserve.engine.request import Request
-from specserve.spec_decode.adaptive import AdaptiveK, nothing_to_draft, sampled_slots, step_verified
+from specserve.spec_decode.adaptive import AdaptiveK, nothing_to_draft, sampled_slots, skipped, step_verified
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
 
 
@@ -93,6 +93,7 @@ class NgramProposer:
 
     def bind(self, binding: ProposerBinding) -> None:
         self.max_model_len = binding.max_model_len
+        self.policy.async_steps = binding.async_scheduling
         if self.policy.profile_on_bind:
             self.policy.calibrate(binding.target)
 
@@ -144,7 +145,7 @@ class NgramProposer:
         return nothing_to_draft(self.policy, sched)
 
     def skip(self, sched: SchedulerOutput, hidden=None, pending=None, slot_mapping=None) -> None:
-        self.policy.guard.tick()  # contexts catch up from the requests' tokens at the next lookup
+        skipped(self.policy, sched)  # contexts catch up from the requests' tokens at the next lookup
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         return None

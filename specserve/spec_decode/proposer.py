@@ -38,6 +38,7 @@ class ProposerBinding:
     draft: ModelExecutor | None  # the executor of the proposer's `draft_model`, if it declared one
     generators: RequestGenerators  # per-request generators, shared with the target's sampling
     max_model_len: int
+    async_scheduling: bool = False  # steps without drafts to verify may be left in flight (`idle` / `skip`)
 
 
 @dataclass(slots=True)
