@@ -77,7 +77,9 @@ def _attend_tile(acc, l_i, m_i, q, cache_ptr, bt_row_ptr, kv_head, tile, seq_len
     return acc, l_i, m_new
 
 
-@triton.jit
+# num_reqs and the block table's row stride change with every batch: not specialised on (Triton
+# compiles a variant per value class of an int argument: 1, a multiple of 16, other)
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
