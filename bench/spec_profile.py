@@ -38,8 +38,8 @@ def decode_steps(llm: LLM, concurrency: int, args, profile: cProfile.Profile | N
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * (args.k + 1) + 8, ignore_eos=True)
     for i in range(concurrency):
-        engine.add_request(f"p{time.monotonic_ns()}-{i}", {"prompt_token_ids": [rng.randrange(3, 1000)
-                                                                               for _ in range(args.prompt_len)]}, params)
+        prompt = [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
+        engine.add_request(f"p{time.monotonic_ns()}-{i}", {"prompt_token_ids": prompt}, params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     before = engine.stats()

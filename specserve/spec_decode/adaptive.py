@@ -21,8 +21,9 @@ margin, so the bar rises with the batch. At high concurrency it nears 1 and k dr
 speculation switches itself off instead of slowing the server down.
 
 The model is checked against the clock (specserve/spec_decode/guard.py): a proposer that reports its
-steps (`step_started` / `step_finished` / `proposals_made`) lets the guard compare the realized gain of drafting steps
-with the predicted one; the expected accepted tokens are scaled by that share (`trust`, <= 1).
+steps (`step_started` / `step_finished` / `step_skipped`) lets the guard compare drafting steps with
+plain ones; the expected accepted tokens are scaled by the share it sees realized (`trust`, <= 1),
+and what a drafting step costs beyond the model (`step_overhead`) is measured and priced in.
 """
 from __future__ import annotations
 
@@ -69,11 +70,14 @@ class AdaptiveK:
         # batch's by 15%): the model prices a step's tokens, a real batch also waits for its slowest
         self.margin = 0.15
         # closed loop: measured step times vs the gains the plan predicted (fed by a proposer that
-        # reports its steps: `step_started` / `step_finished` / `proposals_made`; guard.py)
+        # reports its steps: `step_started` / `step_finished` / `step_skipped`; guard.py)
         self.guard = RealizedGain()
         self._step_t0: float | None = None
-        # the proposer's work after a step (catch-up, lookups, the next drafts) counts towards the
-        # step whose drafts it made: seconds of the last such work, and of this step's
+        # a synchronous step's time: the interval from its start to the next step's (its verification
+        # and the engine's bookkeeping), judged when the next step starts, with the proposer's work
+        # after it (the next step's drafts) moved to the next step, and the work that made its own
+        # drafts added: seconds of the proposer's work after the step before, and after this one
+        self._pending: tuple | None = None
         self._t_verified: float | None = None
         self._propose_seconds = 0.0
         self._carried_seconds = 0.0
@@ -86,7 +90,12 @@ class AdaptiveK:
         # steps against comes from deferred steps (the interval to the next step's start), and the
         # probes for it run deferred too.
         self.async_steps = False
-        self._skipped: tuple[int, float] | None = None  # (base tokens, start) of a step left in flight
+        # A deferred step's time is the interval from its start to the next step's, but only when
+        # the steps on both sides of it are deferred too: after a synchronous step nothing is in
+        # flight (the next step starts as soon as this one is launched), and before one the engine
+        # first collects every step in flight (the interval spans two steps' device time).
+        self._skipped: tuple[int, float] | None = None  # (base tokens, start) of a timeable deferred step
+        self._start = 0.0  # when this step started
         self._after_skip = False  # the step before this one was left in flight
         self._skipping = False  # this step is left in flight
         self._probe_left = 0  # steps still to run without drafts (deferrable) to time a plain step
@@ -132,28 +141,27 @@ class AdaptiveK:
             self.draft_cost = profile_forward(draft, sizes=(1,))[1] / times[1]
 
     def step_started(self) -> None:
-        """The target step begins (the runner's begin_step): start its clock. A step before it left in
-        flight (`step_skipped`) took until now: the time of a plain step under async scheduling."""
-        now = time.perf_counter()
-        if self._skipped is not None:
-            num_base, t0 = self._skipped
-            self._skipped = None
-            self.guard.observe(num_base, self.costs(num_base), now - t0, 0, 0, 0)
+        """The target step begins (the runner's begin_step): the step before it, if synchronous,
+        ended now; start this one's clock."""
+        self._start = time.perf_counter()
+        if self._pending is not None:
+            *step, start, carried = self._pending
+            self._judge(self._start - start - self._propose_seconds + carried, *step)
+            self._pending = None
+        self._carried_seconds, self._propose_seconds = self._propose_seconds, 0.0
         self._probe_left = max(0, self._probe_left - 1)
         self._after_skip, self._skipping = self._skipping, False
         self.step_overhead *= self.overhead_decay
-        self._step_t0 = now
-        self._carried_seconds, self._propose_seconds = self._propose_seconds, 0.0
+        self._step_t0 = self._start
 
     def step_skipped(self, num_base_tokens: int) -> None:
-        """This step runs without `propose`, left in flight (async scheduling): its time is known at
-        the next step's start."""
-        # after a synchronous step nothing was in flight: the next step starts as soon as this one is
-        # launched, so only a deferred step after a deferred step is timed by the interval
-        if self._after_skip and self._step_t0 is not None and num_base_tokens > 0:
-            self._skipped = (num_base_tokens, self._step_t0)
-        else:
-            self.guard.tick()
+        """This step runs without `propose`, left in flight (async scheduling). The deferred step before
+        it, if timeable, took until this one started: the time of a plain step under async scheduling."""
+        if self._skipped is not None and self._after_skip:
+            num_base, t0 = self._skipped
+            self.guard.observe(num_base, self.costs(num_base), self._start - t0, 0, 0, 0, tick=False)
+        self._skipped = (num_base_tokens, self._start) if self._after_skip and num_base_tokens > 0 else None
+        self.guard.tick()
         self._skipping = True
         self._skips_since_plan += 1
         self._step_t0 = None
@@ -170,40 +178,47 @@ class AdaptiveK:
     def step_finished(self, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
                       num_accepted: int) -> None:
         """The target step over `num_base_tokens` tokens plus `num_draft_tokens` drafts has been
-        computed and verified (`num_sampled` requests sampled, `num_accepted` drafts accepted):
-        feed its wall time to the guard, plus that of the proposer's work after the step before
-        (`proposals_made`), which made this step's drafts. So a drafting step costs its drafting, and
-        a plain step only the proposer's bookkeeping."""
+        computed and verified (`num_sampled` requests sampled, `num_accepted` drafts accepted). It is
+        timed up to the next step's start (the engine's bookkeeping included), less the proposer's
+        work after it (`proposals_made`: it made the next step's drafts) plus the work that made its
+        own drafts: a drafting step costs its drafting, a plain step only the proposer's bookkeeping."""
         self._t_verified = time.perf_counter()
         if self._step_t0 is None or num_base_tokens <= 0:
             return
-        seconds, self._step_t0 = self._t_verified - self._step_t0 + self._carried_seconds, None
+        self._step_t0 = None
+        predicted = self._predicted_accepted if num_draft_tokens else 0.0
+        self._pending = (num_base_tokens, num_draft_tokens, num_sampled, num_accepted, predicted, self._cost_ratio,
+                         max(self._plan_steps, 0), self._start, self._carried_seconds)
+
+    def proposals_made(self) -> None:
+        """The proposer's work after `step_finished` is done (its catch-up, lookups and the next
+        step's drafts, or none): its time moves to the next step's."""
+        if self._t_verified is not None:
+            self._propose_seconds = time.perf_counter() - self._t_verified
+            self._t_verified = None
+
+    def _judge(self, seconds: float, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
+               num_accepted: int, predicted: float, cost_ratio: float, num_draft_steps: int) -> None:
+        """A synchronous step took `seconds`: to the guard (and a drafting step's to `step_overhead`)."""
         if num_draft_tokens == 0 and self.async_steps and not self.probing():
             # a plain step run synchronously costs more than one left in flight: not the reference
             # (unless a probe step could not be deferred: requests with penalties, grammars, ...)
             self.guard.tick()
             return
         if num_draft_tokens:
-            self._learn_overhead(num_base_tokens, num_draft_tokens, seconds)
-        predicted = self._predicted_accepted if num_draft_tokens else 0.0
+            self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, seconds)
         self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled, num_accepted,
-                           num_draft_tokens, predicted, self._cost_ratio)
+                           num_draft_tokens, predicted, cost_ratio)
 
-    def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, seconds: float) -> None:
+    def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
+                        seconds: float) -> None:
         """A drafting step took `seconds`: what the model misses of it goes into `step_overhead`."""
         unit = self.guard.plain_unit(num_base_tokens)
         if unit is None:
             return
-        modelled = self.costs(num_base_tokens + num_draft_tokens) + max(self._plan_steps, 0) * self.draft_cost
+        modelled = self.costs(num_base_tokens + num_draft_tokens) + num_draft_steps * self.draft_cost
         sample = min(max(seconds / unit - modelled, 0.0), 3.0 * self.costs(num_base_tokens))
         self.step_overhead = 0.8 * self.step_overhead + 0.2 * sample
-
-    def proposals_made(self) -> None:
-        """The proposer's work after `step_finished` is done (its catch-up, lookups and the next
-        step's drafts, or none): its time joins the next step's."""
-        if self._t_verified is not None:
-            self._propose_seconds = time.perf_counter() - self._t_verified
-            self._t_verified = None
 
     def worth_trying(self, num_sampled: int, num_base_tokens: int) -> bool:
         """Could any draft pay off in this batch? (A cheap test before looking for drafts.)"""
@@ -241,7 +256,7 @@ class AdaptiveK:
         self._skips_since_plan = 0
         if max_spec_tokens <= 0 or self.probing() or self.guard.wants_probe(num_base_tokens):
             if not self.probing() and self.async_steps and max_spec_tokens > 0:
-                self._probe_left = 3  # a few plain steps, deferred: two intervals between their starts
+                self._probe_left = 4  # a few plain steps, deferred: the middle two are timeable
             self._plan_steps = -1  # no drafts this time, but not because none would pay
             self._rest({keys[r] for r in rooms})
             return ks

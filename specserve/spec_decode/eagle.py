@@ -116,36 +116,39 @@ class EagleProposer:
     # -- the step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        try:
+            return self._propose(step)
+        finally:  # the step's time, catch-up and drafting included, goes to the guard
+            self.policy.proposals_made()
+
+    def _propose(self, step: DraftStep) -> dict[str, list[int]]:
         sched, out = step.sched, step.out
         step_verified(self.policy, sched, out)
         slots = plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens)
         for slot in slots:
             self._probs.pop(slot.sched.request.request_id, None)  # its drafts were verified (or it gets none)
-        try:
-            self._store(step.hidden, step.slot_mapping)
-            drafting = {slot.sched.request.request_id: slot for slot in slots if slot.k > 0}
-            segments = []  # (slot, first entry to compute, the newest token's position + 1)
-            for s in sched.scheduled:
-                new_ids = out.sampled_token_ids.get(s.request.request_id)
-                verified = s.request.num_tokens + len(new_ids) - 1 if new_ids else s.start + s.num_tokens
-                slot = drafting.get(s.request.request_id)
-                if slot is None:
-                    self.entries.fall_behind(s, verified)
-                else:
-                    segments.append((slot, self.entries.valid(s, verified), verified + 1))
-            if not segments:
-                return {}
-            drafting = [slot for slot, _, _ in segments]
-            ks = [slot.k for slot in drafting]
-            out, meta, ks_d = self._catch_up(segments, ks)
-            chain = self.chain_graphs
-            if chain is not None and chain.can_run(len(ks), max(ks)) and \
-                    all(slot.sched.request.sampling_params.greedy for slot in drafting):
-                rows = chain.run(out, meta.seq_lens, ks_d, meta.block_tables, max(ks)).tolist()
-                return self._drafts(drafting, rows, [[] for _ in drafting])
-            return self._chain(out, drafting, [end for _, _, end in segments])
-        finally:  # the step's time, catch-up and drafting included, goes to the guard
-            self.policy.proposals_made()
+        self._store(step.hidden, step.slot_mapping)
+        drafting = {slot.sched.request.request_id: slot for slot in slots if slot.k > 0}
+        segments = []  # (slot, first entry to compute, the newest token's position + 1)
+        for s in sched.scheduled:
+            new_ids = out.sampled_token_ids.get(s.request.request_id)
+            verified = s.request.num_tokens + len(new_ids) - 1 if new_ids else s.start + s.num_tokens
+            slot = drafting.get(s.request.request_id)
+            if slot is None:
+                self.entries.fall_behind(s, verified)
+            else:
+                segments.append((slot, self.entries.valid(s, verified), verified + 1))
+        if not segments:
+            return {}
+        slots = [slot for slot, _, _ in segments]
+        ks = [slot.k for slot in slots]
+        out, meta, ks_d = self._catch_up(segments, ks)
+        chain = self.chain_graphs
+        if chain is not None and chain.can_run(len(ks), max(ks)) and \
+                all(slot.sched.request.sampling_params.greedy for slot in slots):
+            rows = chain.run(out, meta.seq_lens, ks_d, meta.block_tables, max(ks)).tolist()
+            return self._drafts(slots, rows, [[] for _ in slots])
+        return self._chain(out, slots, [end for _, _, end in segments])
 
     def _store(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The step's hidden states [num_tokens, h] at its KV slots [num_tokens]."""

@@ -54,12 +54,13 @@ class RealizedGain:
 
     def observe(self, num_base_tokens: int, base_cost: float, seconds: float, num_sampled: int,
                 num_accepted: int, num_draft_tokens: int, predicted_accepted: float = 0.0,
-                cost_ratio: float = 1.0) -> None:
+                cost_ratio: float = 1.0, tick: bool = True) -> None:
         """A step over `num_base_tokens` tokens (modelled cost `base_cost`) plus `num_draft_tokens`
         drafts took `seconds`; `num_sampled` requests sampled and accepted `num_accepted` drafts;
         `predicted_accepted`: the accepted tokens the policy expected of those drafts, at a modelled
-        step cost of `cost_ratio` x the plain step's."""
-        self.tick()
+        step cost of `cost_ratio` x the plain step's. `tick`: the observation is a step of its own."""
+        if tick:
+            self.tick()
         if seconds <= 0 or base_cost <= 0:
             return
         bucket = _unit_bucket(num_base_tokens)

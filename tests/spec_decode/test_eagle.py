@@ -243,15 +243,15 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, trained_head_dir)
     args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
                 max_num_batched_tokens=64, speculative_config=eagle_config(trained_head_dir, 3))
     runs = {}
-    for name, kw in {"torch": dict(attention_backend="torch"), "eager": dict(attention_backend="triton", enforce_eager=True),
-                     "graph": dict(attention_backend="triton")}.items():
+    backends = {"torch": dict(attention_backend="torch"), "eager": dict(attention_backend="triton", enforce_eager=True),
+                "graph": dict(attention_backend="triton")}
+    for name, kw in backends.items():
         llm = LLM(str(tiny_llama_dir), **args, **kw)
         chain = llm.engine.proposer.chain_graphs
         assert (chain is not None) == (name == "graph")
         replays = []
         if chain is not None:
-            run = chain.run
-            chain.run = lambda *a: replays.append(1) or run(*a)
+            chain.run = lambda *a, _run=chain.run, _replays=replays: _replays.append(1) or _run(*a)
         outs = llm.generate(prompts, GREEDY)
         stats = llm.engine.stats()
         runs[name] = ([o.outputs[0].token_ids for o in outs], stats["spec_decode_num_drafts"],

@@ -147,18 +147,19 @@ def test_the_ngram_proposer_reports_its_steps(tiny_llama_dir):
 
 
 def test_the_time_spent_drafting_counts_against_the_drafts(clock):
-    """The verification step costs what the table says, but making the drafts before it (a draft
-    model's or an EAGLE head's forwards and their host work) costs a whole decode step: the time
-    from the end of one step's verification to the end of the proposer's work counts towards the
-    step whose drafts it made, so those drafts are backed off; free drafting is left alone."""
+    """The verification step costs what the table says, but making the drafts after it (a draft
+    model's or an EAGLE head's forwards and their host work) costs two decode steps, which makes
+    drafting 20% slower than none: a step is timed up to the next one's start, the proposer's work
+    included, so those drafts are backed off (priced as measured: `step_overhead`); free drafting is
+    left alone."""
     costs = policy_with(FLAT_TABLE).costs
     honest = lambda b, d: 0.1 * costs(b + d)  # noqa: E731
-    for factor, most, least in ((1.0, 40, 0), (0.0, 300, 180)):
+    for factor, most, least in ((2.0, 40, 0), (0.0, 300, 180)):
         policy = policy_with(FLAT_TABLE)
         slow = lambda num_drafts: 0.1 * costs(16) * factor * (num_drafts > 0)  # noqa: E731, B023
         drafted = run_steps(policy, clock, 300, honest, 0.75, draft_seconds=slow)
         assert least <= sum(d > 0 for d in drafted[100:]) < most, factor
-    assert policy.guard.trust(16) == 1.0
+    assert policy.guard.trust(16) > 0.95
 
 
 def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_sync: float, plain_deferred: float,
