@@ -25,4 +25,4 @@ step e2e_hf $py bench/gpu_e2e.py hf --hf-batches 256 1 --out "$out/e2e_hf.json"
 if [ -n "${1:-}" ]; then
   step agreement $py bench/gpu_agreement.py --model "$1" --out "$out/agreement.json"
 fi
-step kernels $py bench/kernels.py --out "$out/kernels_gpu.json"
+step kernels $py bench/kernel_bench.py --out "$out/kernels_gpu.json"

@@ -1,7 +1,8 @@
 """Launch choices for the paged attention kernels: tile shapes, warps, pipeline depth, split-K factor.
 
 Everything here is a pure function of python ints, so the choice is the same at CUDA-graph capture
-and at replay. Choices come from the sweeps of `bench/kernels.py --sweep` on an H200 (bench/results/kernels_gpu.md).
+and at replay. Choices come from the sweeps of `bench/kernel_bench.py --sweep` on an H200
+(bench/results/kernels_gpu.md).
 """
 from __future__ import annotations
 

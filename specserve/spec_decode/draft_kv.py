@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from collections.abc import Iterable
+
 from specserve.engine.outputs import ScheduledRequest
 
 
@@ -40,11 +42,20 @@ class DraftEntries:
         done = self.computed.get(s.request.request_id)
         return min(self._trusted_prefix(s) if done is None else done, verified)
 
-    def fall_behind(self, s: ScheduledRequest, verified: int) -> None:
-        """The proposer does not run for this request this step: the blocks the target wrote are stale."""
-        done = self.valid(s, verified)
-        self.computed[s.request.request_id] = done
-        self.mark(s.block_ids, done, verified, stale=True)
+    def fall_behind(self, steps: Iterable[tuple[ScheduledRequest, int]]) -> None:
+        """The proposer does not run for these requests this step (each with the target's verified end):
+        the blocks the target wrote are stale. Only this step's positions are marked (the invariant
+        above: earlier ones were marked, or written by the proposer, in their own step), in one write."""
+        bs = self.block_size
+        blocks: list[int] = []
+        for s, verified in steps:
+            done = self.valid(s, verified)
+            self.computed[s.request.request_id] = done
+            start = max(done, s.start)
+            if verified > start:
+                blocks += s.block_ids[start // bs:-(-verified // bs)]
+        if blocks:
+            self.stale[blocks] = True
 
     def written(self, s: ScheduledRequest, start: int, end: int) -> None:
         """The proposer wrote valid entries [start, end) for this request (and nothing valid past them)."""

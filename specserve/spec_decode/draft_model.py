@@ -89,8 +89,7 @@ class DraftModelProposer:
     def skip(self, sched: SchedulerOutput, hidden=None, pending=None, slot_mapping=None) -> None:
         """Like a step where every request gets k = 0: the draft falls behind, the blocks the target
         wrote are stale for it. (No drafts were verified: the target computed [start, start + n).)"""
-        for s in sched.scheduled:
-            self.entries.fall_behind(s, s.start + s.num_tokens)
+        self.entries.fall_behind((s, s.start + s.num_tokens) for s in sched.scheduled)
         skipped(self.policy, sched)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
@@ -114,14 +113,16 @@ class DraftModelProposer:
             self._probs.pop(req_id, None)  # its drafts were verified (or it gets none)
         run = any(s.k > 0 for s in slots.values())
         segments = []  # (scheduled, first position to compute, verified end, slot if it sampled)
+        behind = []
         for s in sched.scheduled:
             slot = slots.get(s.request.request_id)
             verified = s.request.num_tokens + len(slot.new_ids) - 1 if slot else s.start + s.num_tokens
             if not run:
-                self.entries.fall_behind(s, verified)
+                behind.append((s, verified))
             else:
                 segments.append((s, self.entries.valid(s, verified), verified, slot))
         if not run:
+            self.entries.fall_behind(behind)
             return {}
         drafts = self._run(segments)
         for s, done, verified, _ in segments:

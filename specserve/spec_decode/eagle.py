@@ -105,8 +105,7 @@ class EagleProposer:
              slot_mapping: torch.Tensor) -> None:
         """A step left in flight: its hidden states are stored; the head falls behind."""
         self._store(hidden, slot_mapping)
-        for s in sched.scheduled:
-            self.entries.fall_behind(s, s.start + s.num_tokens)
+        self.entries.fall_behind((s, s.start + s.num_tokens) for s in sched.scheduled)
         skipped(self.policy, sched)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
@@ -130,14 +129,16 @@ class EagleProposer:
         self._store(step.hidden, step.slot_mapping)
         drafting = {slot.sched.request.request_id: slot for slot in slots if slot.k > 0}
         segments = []  # (slot, first entry to compute, the newest token's position + 1)
+        behind = []
         for s in sched.scheduled:
             new_ids = out.sampled_token_ids.get(s.request.request_id)
             verified = s.request.num_tokens + len(new_ids) - 1 if new_ids else s.start + s.num_tokens
             slot = drafting.get(s.request.request_id)
             if slot is None:
-                self.entries.fall_behind(s, verified)
+                behind.append((s, verified))
             else:
                 segments.append((slot, self.entries.valid(s, verified), verified + 1))
+        self.entries.fall_behind(behind)
         if not segments:
             return {}
         slots = [slot for slot, _, _ in segments]

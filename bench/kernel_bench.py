@@ -1,6 +1,6 @@
 """Microbenchmarks of the Triton attention kernels against the memory-copy ceiling and PyTorch.
 
-    python bench/kernels.py --out bench/results/kernels_gpu.json [--sweep]
+    python bench/kernel_bench.py --out bench/results/kernels_gpu.json [--sweep]
 
 Cases (Llama-3.1-8B attention: 32 query heads, 8 kv heads, head_dim 128, bf16, block 16):
 copy bandwidth (torch clone; bytes read + written) as the ceiling; paged decode at batch 64 x 4k and
