@@ -40,6 +40,20 @@ def policy_with(table, max_k: int = 8) -> AdaptiveK:
     return policy
 
 
+def verify(policy: AdaptiveK, ks: dict[str, int], keys: dict, alpha: float, rng: random.Random) -> int:
+    """Each request's drafts accepted one by one with probability `alpha` (a prefix), recorded in the
+    policy; returns the accepted drafts."""
+    num_accepted = 0
+    for r, k in ks.items():
+        if k:
+            a = 0
+            while a < k and rng.random() < alpha:
+                a += 1
+            policy.observe(keys[r], k, a)
+            num_accepted += a
+    return num_accepted
+
+
 def run_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, seconds, alpha: float, num_reqs: int = 16,
               seed: int = 0, draft_seconds=lambda num_drafts: 0.0) -> list[int]:
     """Decode `num_steps` steps of `num_reqs` requests whose drafts (key: a 3-gram match) are each
@@ -54,14 +68,7 @@ def run_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, seconds, alph
         policy.step_started()
         num_drafts = sum(ks.values())
         clock.now += seconds(num_reqs, num_drafts)
-        num_accepted = 0
-        for r, k in ks.items():
-            if k:
-                a = 0
-                while a < k and rng.random() < alpha:
-                    a += 1
-                policy.observe(keys[r], k, a)
-                num_accepted += a
+        num_accepted = verify(policy, ks, keys, alpha, rng)
         policy.step_finished(num_reqs, num_drafts, num_reqs, num_accepted)
         drafts_per_step.append(num_drafts)
         ks = policy.plan(rooms, num_reqs, 1000, keys)
@@ -185,14 +192,7 @@ def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_s
             ks = {}
             continue
         clock.now += drafting if num_drafts else plain_sync
-        num_accepted = 0
-        for r, k in ks.items():
-            if k:
-                a = 0
-                while a < k and rng.random() < alpha:
-                    a += 1
-                policy.observe(keys[r], k, a)
-                num_accepted += a
+        num_accepted = verify(policy, ks, keys, alpha, rng)
         tokens += num_reqs + num_accepted
         policy.step_finished(num_reqs, num_drafts, num_reqs, num_accepted)
         ks = policy.plan(rooms, num_reqs, 1000, keys)
