@@ -164,11 +164,17 @@ class RequestStream:
 
     # -- summaries -------------------------------------------------------------------------------
     def decode_seconds_per_token(self) -> float | None:
-        """Mean seconds per output token after the first step's tokens."""
+        """Mean seconds per output token after the first step's tokens, from the updates' arrival; when
+        every token arrived in one update (the engine ran ahead of a busy server loop, which coalesces
+        them), from the engine's first-token and finish times."""
         n = self.num_output_tokens - self._first_step_tokens
-        if n <= 0 or self.first_token_at is None or self.last_token_at is None:
+        if n > 0 and self.first_token_at is not None and self.last_token_at is not None:
+            return (self.last_token_at - self.first_token_at) / n
+        m = self.final.metrics if self.final else None
+        if (m is None or m.first_token_time is None or m.finished_time is None or self.num_output_tokens < 2
+                or m.finished_time <= m.first_token_time):
             return None
-        return (self.last_token_at - self.first_token_at) / n
+        return (m.finished_time - m.first_token_time) / (self.num_output_tokens - 1)
 
     def ttft_seconds(self) -> float | None:
         m = self.final.metrics if self.final else None
