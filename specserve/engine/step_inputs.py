@@ -106,6 +106,14 @@ def _staging_for(device: torch.device) -> HostStaging:
     return staging
 
 
+def _padded_tables(tables: list[list[int]], min_width: int = 0) -> np.ndarray:
+    """Block tables as one zero-padded [num_reqs, max(len, min_width)] int64 array."""
+    out = np.zeros((len(tables), max(max(len(t) for t in tables), min_width)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
 def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
                    device: torch.device, pad_block_table_to: int = 0, staging: HostStaging | None = None,
                    extra_int64: list[np.ndarray] = ()
@@ -120,10 +128,8 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
     cu = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     num_tokens = int(cu[-1])
-    max_blocks = max(max(len(t) for t in tables), pad_block_table_to)
-    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = t
+    block_tables = _padded_tables(tables, pad_block_table_to)
+    max_blocks = block_tables.shape[1]
     req_of_token = np.repeat(np.arange(num_reqs), q_lens)
     positions = np.arange(num_tokens) - (cu[:-1] - s_lens + q_lens)[req_of_token]
     slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
@@ -147,9 +153,7 @@ def chain_metadata(seq_lens: list[int], num_active: list[int], tables: list[list
     staging = staging or _staging_for(device)
     num_reqs, num_steps = len(seq_lens), len(num_active)
     s0 = np.asarray(seq_lens, dtype=np.int64)
-    block_tables = np.zeros((num_reqs, max(len(t) for t in tables)), dtype=np.int64)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = t
+    block_tables = _padded_tables(tables)
     positions = s0[None, :] + np.arange(num_steps)[:, None]  # [steps, reqs]
     active = np.arange(num_reqs)[None, :] < np.asarray(num_active)[:, None]
     blocks = np.where(active, positions // block_size, 0)  # steps past a request's own are never read

@@ -72,7 +72,7 @@ class AdaptiveK:
         # closed loop: measured step times vs the gains the plan predicted (fed by a proposer that
         # reports its steps: `step_started` / `step_finished` / `step_skipped`; guard.py)
         self.guard = RealizedGain()
-        self._step_t0: float | None = None
+        self._timing = False  # a step started (`_start`) and is not finished or skipped yet
         # a synchronous step's time: the interval from its start to the next step's (its verification
         # and the engine's bookkeeping), judged when the next step starts, with the proposer's work
         # after it (the next step's drafts) moved to the next step, and the work that made its own
@@ -152,7 +152,7 @@ class AdaptiveK:
         self._probe_left = max(0, self._probe_left - 1)
         self._after_skip, self._skipping = self._skipping, False
         self.step_overhead *= self.overhead_decay
-        self._step_t0 = self._start
+        self._timing = True
 
     def step_skipped(self, num_base_tokens: int) -> None:
         """This step runs without `propose`, left in flight (async scheduling). The deferred step before
@@ -164,7 +164,7 @@ class AdaptiveK:
         self.guard.tick()
         self._skipping = True
         self._skips_since_plan += 1
-        self._step_t0 = None
+        self._timing = False
 
     def plans_nothing(self) -> bool:
         """Did the last plan give no drafts (and is it recent enough to go by without planning)?"""
@@ -183,9 +183,9 @@ class AdaptiveK:
         work after it (`proposals_made`: it made the next step's drafts) plus the work that made its
         own drafts: a drafting step costs its drafting, a plain step only the proposer's bookkeeping."""
         self._t_verified = time.perf_counter()
-        if self._step_t0 is None or num_base_tokens <= 0:
+        if not self._timing or num_base_tokens <= 0:
             return
-        self._step_t0 = None
+        self._timing = False
         predicted = self._predicted_accepted if num_draft_tokens else 0.0
         self._pending = (num_base_tokens, num_draft_tokens, num_sampled, num_accepted, predicted, self._cost_ratio,
                          max(self._plan_steps, 0), self._start, self._carried_seconds)

@@ -15,9 +15,9 @@ entries there are valid.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from collections.abc import Iterable
+
+import numpy as np
 
 from specserve.engine.outputs import ScheduledRequest
 

@@ -141,15 +141,15 @@ class EagleProposer:
         self.entries.fall_behind(behind)
         if not segments:
             return {}
-        slots = [slot for slot, _, _ in segments]
-        ks = [slot.k for slot in slots]
-        out, meta, ks_d = self._catch_up(segments, ks)
+        chained = [slot for slot, _, _ in segments]
+        ks = [slot.k for slot in chained]
+        newest, meta, ks_d = self._catch_up(segments, ks)
         chain = self.chain_graphs
         if chain is not None and chain.can_run(len(ks), max(ks)) and \
-                all(slot.sched.request.sampling_params.greedy for slot in slots):
-            rows = chain.run(out, meta.seq_lens, ks_d, meta.block_tables, max(ks)).tolist()
-            return self._drafts(slots, rows, [[] for _ in slots])
-        return self._chain(out, slots, [end for _, _, end in segments])
+                all(slot.sched.request.sampling_params.greedy for slot in chained):
+            rows = chain.run(newest, meta.seq_lens, ks_d, meta.block_tables, max(ks)).tolist()
+            return self._drafts(chained, rows, [[] for _ in chained])
+        return self._chain(newest, chained, [end for _, _, end in segments])
 
     def _store(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The step's hidden states [num_tokens, h] at its KV slots [num_tokens]."""

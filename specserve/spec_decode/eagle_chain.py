@@ -77,7 +77,6 @@ class ChainGraphs:
         drafts [P, max_k] (a view of a graph buffer: read it before the next replay)."""
         n, width = block_tables.shape
         batch = next(s for s in self.sizes if s >= n)
-        k = max_k
         self.out0[:n].copy_(out0)
         self.seq_lens[:n].copy_(seq_lens)
         self.ks[:n].copy_(ks)
@@ -85,8 +84,8 @@ class ChainGraphs:
         if batch > n:  # padding requests: no drafts, position 0, nothing written
             self.seq_lens[n:batch].fill_(1)
             self.ks[n:batch].zero_()
-        self.graphs[(batch, k)].replay()
-        return self.tokens[:n, :k]
+        self.graphs[(batch, max_k)].replay()
+        return self.tokens[:n, :max_k]
 
     def _chain(self, batch: int, k: int) -> None:
         """The captured work: k drafts for the first `batch` requests of the buffers."""
