@@ -371,12 +371,16 @@ def sampled_slots(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOut
     return slots, num_base
 
 
+def step_tokens(sched: SchedulerOutput) -> tuple[int, int]:
+    """(tokens the step computes besides drafts, drafts it verifies): what the guard times it under."""
+    num_drafts = sum(len(s.spec_token_ids) for s in sched.scheduled)
+    return sum(s.num_tokens for s in sched.scheduled) - num_drafts, num_drafts
+
+
 def step_verified(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
     """The step's forward and verification are done: its time corrects the policy's cost model (the guard)."""
-    num_tokens = sum(s.num_tokens for s in sched.scheduled)
-    num_drafts = sum(len(s.spec_token_ids) for s in sched.scheduled)
-    policy.step_finished(num_tokens - num_drafts, num_drafts, len(out.sampled_token_ids),
-                         sum(out.num_accepted.values()))
+    num_base, num_drafts = step_tokens(sched)
+    policy.step_finished(num_base, num_drafts, len(out.sampled_token_ids), sum(out.num_accepted.values()))
 
 
 def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
@@ -389,8 +393,9 @@ def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
 
 
 def skipped(policy: AdaptiveK, sched: SchedulerOutput) -> None:
-    """`Proposer.skip` for proposers driven by the policy: the step runs deferred (timed at the next)."""
-    policy.step_skipped(sum(1 if s.sample else s.num_tokens for s in sched.scheduled))
+    """`Proposer.skip` for proposers driven by the policy: the step runs deferred (timed at the next),
+    under its own token count, as `step_verified` times a synchronous step."""
+    policy.step_skipped(step_tokens(sched)[0])
 
 
 def plan_step(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput, max_model_len: int,

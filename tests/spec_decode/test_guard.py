@@ -225,3 +225,21 @@ def test_under_async_scheduling_drafting_is_judged_against_deferred_plain_steps(
     assert run_async_steps(policy(legacy=False), clock, **losing) > 0.97
     paying = dict(losing, drafting=6e-3)
     assert run_async_steps(policy(legacy=False), clock, **paying) > 1.15
+
+
+def test_deferred_and_synchronous_steps_are_timed_under_the_same_token_count():
+    """A step is timed under the tokens it computes besides drafts, whether it ran deferred or not:
+    a sampling prefill chunk of 9 tokens beside a decode counts 10 (not 2, one per sampling request)."""
+    from specserve.engine.outputs import ScheduledRequest, SchedulerOutput
+    from specserve.spec_decode.adaptive import skipped, step_tokens
+
+    sched = SchedulerOutput([ScheduledRequest(None, 0, 9, [], [0, 1], True),
+                             ScheduledRequest(None, 20, 1, [], [2, 3], True)])
+    assert step_tokens(sched) == (10, 0)
+    seen = []
+    policy = policy_with(CPU_TABLE)
+    policy.step_skipped = seen.append
+    skipped(policy, sched)
+    assert seen == [10]
+    verifying = SchedulerOutput([ScheduledRequest(None, 20, 4, [7, 8, 9], [2, 3], True)])
+    assert step_tokens(verifying) == (1, 3)
