@@ -100,7 +100,9 @@ def regenerate(target: str, dtype: str, device: torch.device, max_len: int, max_
     conversation whose prompt leaves less than max_tokens of room in max_len is dropped."""
     from specserve import LLM, SamplingParams
 
-    llm = LLM(target, dtype=dtype, device=str(device), max_model_len=max_len)
+    # throughput work: twice the serving default of requests in flight on a GPU
+    llm = LLM(target, dtype=dtype, device=str(device), max_model_len=max_len,
+              max_num_seqs=512 if device.type == "cuda" else 256)
     try:
         tokenizer = llm.tokenizer
         prompts, owners = [], []
