@@ -63,6 +63,9 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
         return NgramProposer(policy, prompt_lookup_min=spec.prompt_lookup_min,
                              prompt_lookup_max=spec.prompt_lookup_max,
                              max_num_batched_tokens=max_num_batched_tokens)
+    # a draft model's or a head's estimates are per request: each leans on all requests' recent
+    # acceptance (worth 16 tried drafts, against at most ~10 of a request's own at decay 0.8)
+    policy.shared_prior, policy.prior_weight = True, 16.0
     if spec.method == "eagle":
         return _eagle_proposer(spec, policy, target, device, max_positions, max_num_batched_tokens)
     from specserve.quant.self_draft import is_self_draft

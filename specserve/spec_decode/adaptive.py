@@ -11,9 +11,11 @@ bf16 the verification shapes k implies can flip near-ties: docs/speculative.md, 
 - each autoregressive draft-model step costs `draft_cost` target steps (0 for n-gram lookup);
 - request r accepts a draft (given the previous one was accepted) with probability alpha_r,
   estimated from verifications (decayed counts plus a prior) under a key the proposer chooses:
-  per request for a draft model; per match length for n-gram lookup (a 1-gram match is accepted
-  ~20% of the time on HumanEval with SmolLM2, a 5-gram one ~95%). Its j-th draft adds alpha_r ** j
-  expected tokens.
+  per request for a draft model or an EAGLE head, whose prior is then the acceptance of all
+  requests' recent drafts (`shared_prior`: a request's own few verifications are too noisy to go
+  by alone, and a new request starts where the others are); per match length for n-gram lookup (a
+  1-gram match is accepted ~20% of the time on HumanEval with SmolLM2, a 5-gram one ~95%). Its j-th
+  draft adds alpha_r ** j expected tokens.
 
 `plan` gives requests, in order of decreasing alpha_r, the whole k that most improves expected
 tokens per unit of cost, if the drafts' tokens per unit of their own cost beat the batch's by a
@@ -65,6 +67,11 @@ class AdaptiveK:
         self.prior_of: Callable[[Hashable], float] = lambda key: prior
         self.best_prior = prior
         self.decay = decay
+        # shared_prior: a key's prior is the acceptance of every key's recent drafts (decayed counts
+        # over all verifications, pool_decay per verification, started at `prior`), not prior_of(key)
+        self.shared_prior = False
+        self.pool_decay = 0.99
+        self._pool = _Estimate()
         self.min_gain = min_gain
         # safety factor for cost-model error (a draft's tokens per unit of its cost must beat the
         # batch's by 15%): the model prices a step's tokens, a real batch also waits for its slowest
@@ -117,7 +124,7 @@ class AdaptiveK:
     def acceptance(self, key: Hashable) -> float:
         """Estimated probability that a draft token under `key` is accepted (the previous one was)."""
         e = self._est.get(key)
-        prior = self.prior_of(key)
+        prior = self._pooled() if self.shared_prior else self.prior_of(key)
         if e is None:
             return prior
         return (e.accepted + prior * self.prior_weight) / (e.tried + self.prior_weight)
@@ -126,9 +133,16 @@ class AdaptiveK:
         """A verification: `num_accepted` of `num_drafts` drafts accepted (a prefix)."""
         if num_drafts <= 0:
             return
+        tried = min(num_accepted + 1, num_drafts)
         e = self._est.setdefault(key, _Estimate())
         e.accepted = self.decay * e.accepted + num_accepted
-        e.tried = self.decay * e.tried + min(num_accepted + 1, num_drafts)
+        e.tried = self.decay * e.tried + tried
+        self._pool.accepted = self.pool_decay * self._pool.accepted + num_accepted
+        self._pool.tried = self.pool_decay * self._pool.tried + tried
+
+    def _pooled(self) -> float:
+        """The acceptance of every key's recent drafts (`prior` while there are few)."""
+        return (self._pool.accepted + self.prior) / (self._pool.tried + 1.0)
 
     def remove(self, key: Hashable) -> None:
         self._est.pop(key, None)
@@ -159,7 +173,7 @@ class AdaptiveK:
         it, if timeable, took until this one started: the time of a plain step under async scheduling."""
         if self._skipped is not None and self._after_skip:
             num_base, t0 = self._skipped
-            self.guard.observe(num_base, self.costs(num_base), self._start - t0, 0, 0, 0, tick=False)
+            self.guard.observe(num_base, self.costs(num_base), self._start - t0, 0, 0, tick=False)
         self._skipped = (num_base_tokens, self._start) if self._after_skip and num_base_tokens > 0 else None
         self.guard.tick()
         self._skipping = True
@@ -175,10 +189,10 @@ class AdaptiveK:
         """Are plain steps being timed (under async scheduling: they should run deferred)?"""
         return self._probe_left > 0
 
-    def step_finished(self, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
-                      num_accepted: int) -> None:
+    def step_finished(self, num_base_tokens: int, num_draft_tokens: int, num_sampled: int) -> None:
         """The target step over `num_base_tokens` tokens plus `num_draft_tokens` drafts has been
-        computed and verified (`num_sampled` requests sampled, `num_accepted` drafts accepted). It is
+        computed and verified (`num_sampled` requests sampled; the drafts' acceptance went to
+        `observe`). It is
         timed up to the next step's start (the engine's bookkeeping included), less the proposer's
         work after it (`proposals_made`: it made the next step's drafts) plus the work that made its
         own drafts: a drafting step costs its drafting, a plain step only the proposer's bookkeeping."""
@@ -187,7 +201,7 @@ class AdaptiveK:
             return
         self._timing = False
         predicted = self._predicted_accepted if num_draft_tokens else 0.0
-        self._pending = (num_base_tokens, num_draft_tokens, num_sampled, num_accepted, predicted, self._cost_ratio,
+        self._pending = (num_base_tokens, num_draft_tokens, num_sampled, predicted, self._cost_ratio,
                          max(self._plan_steps, 0), self._start, self._carried_seconds)
 
     def proposals_made(self) -> None:
@@ -198,7 +212,7 @@ class AdaptiveK:
             self._t_verified = None
 
     def _judge(self, seconds: float, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
-               num_accepted: int, predicted: float, cost_ratio: float, num_draft_steps: int) -> None:
+               predicted: float, cost_ratio: float, num_draft_steps: int) -> None:
         """A synchronous step took `seconds`: to the guard (and a drafting step's to `step_overhead`)."""
         if num_draft_tokens == 0 and self.async_steps and not self.probing():
             # a plain step run synchronously costs more than one left in flight: not the reference
@@ -207,8 +221,8 @@ class AdaptiveK:
             return
         if num_draft_tokens:
             self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, seconds)
-        self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled, num_accepted,
-                           num_draft_tokens, predicted, cost_ratio)
+        self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled, num_draft_tokens,
+                           predicted, cost_ratio)
 
     def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
                         seconds: float) -> None:
@@ -224,7 +238,8 @@ class AdaptiveK:
         """Could any draft pay off in this batch? (A cheap test before looking for drafts.)"""
         if not self.adaptive:
             return True
-        best = max([self.acceptance(key) for key in self._est] + [self.best_prior])
+        prior = self._pooled() if self.shared_prior else self.best_prior
+        best = max([self.acceptance(key) for key in self._est] + [prior])
         base = self.costs(num_base_tokens)
         trust = self.guard.trust(num_base_tokens)
         gain = 0.0
@@ -380,7 +395,7 @@ def step_tokens(sched: SchedulerOutput) -> tuple[int, int]:
 def step_verified(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
     """The step's forward and verification are done: its time corrects the policy's cost model (the guard)."""
     num_base, num_drafts = step_tokens(sched)
-    policy.step_finished(num_base, num_drafts, len(out.sampled_token_ids), sum(out.num_accepted.values()))
+    policy.step_finished(num_base, num_drafts, len(out.sampled_token_ids))
 
 
 def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
