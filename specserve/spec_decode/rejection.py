@@ -68,6 +68,12 @@ def recovered_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, residual / total.clamp_min(1e-30), p)
 
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Is the request's next token the argmax of its raw logits row?"""
+    return (row.params.greedy and not row.params.adjusts_logits and row.grammar is None
+            and row.params.logprobs is None)
+
+
 class RejectionSampler:
     def __init__(self, simulated_acceptance: float | None = None, seed: int = 0) -> None:
         # Benchmarks only: accept each draft with this probability, whatever the models say.
@@ -95,6 +101,8 @@ class RejectionSampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: Sequence[VerifyRequest]) -> VerifyResult:
         """logits: [N, V] fp32 holding each request's 1 + k rows from `first_row`."""
+        if all(_plain_greedy(r.row) for r in reqs):
+            return self._sample_plain_greedy(logits, reqs)
         device, vocab = logits.device, logits.shape[1]
         num_reqs = len(reqs)
         ks = [len(r.draft_ids) for r in reqs]
@@ -141,6 +149,26 @@ class RejectionSampler:
                     ids = torch.tensor(token_ids[i], device=device)
                     logprobs[i] = top_logprobs(raw[i, :len(ids)], ids, [r.row.params.logprobs] * len(ids))
         return VerifyResult(token_ids, n_list, logprobs)
+
+    def _sample_plain_greedy(self, logits: torch.Tensor, reqs: Sequence[VerifyRequest]) -> VerifyResult:
+        """`sample` for a batch of greedy requests without penalties, grammars or logprobs (the common
+        case): the target's argmax of every row in one kernel and one copy to the host, compared with
+        the drafts there. The same tokens as the general path (the same argmax of the same rows),
+        without its dozen small kernels and host-to-device copies per step."""
+        argmax = logits.argmax(dim=-1).tolist()
+        simulated = None
+        if self.simulated_acceptance is not None:
+            simulated = self._simulated(len(reqs), max(len(r.draft_ids) for r in reqs), "cpu").tolist()
+        token_ids, num_accepted = [], []
+        for i, r in enumerate(reqs):
+            row, n = r.first_row, 0
+            for j, draft in enumerate(r.draft_ids):
+                if not (simulated[i][j] if simulated is not None else argmax[row + j] == draft):
+                    break
+                n += 1
+            token_ids.append(r.draft_ids[:n] + [argmax[row + n]])
+            num_accepted.append(n)
+        return VerifyResult(token_ids, num_accepted, [None] * len(reqs))
 
     def _sample_random(self, rand: list[int], reqs: Sequence[VerifyRequest], target: torch.Tensor,
                        drafts: torch.Tensor, valid: torch.Tensor, num_accepted: torch.Tensor,

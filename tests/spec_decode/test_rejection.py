@@ -101,6 +101,35 @@ def test_simulated_acceptance_forces_the_rate():
     assert RejectionSampler(simulated_acceptance=0.0).sample(logits, [req(0, [5, 7, 2])]).token_ids == [[5]]
 
 
+def test_plain_greedy_batches_take_the_host_path_with_the_same_tokens(monkeypatch):
+    """A batch of greedy requests without penalties, grammars or logprobs is verified from one argmax
+    copied to the host; it gives the general path's tokens, ties (the first maximum wins) and empty
+    drafts included, and the general path still serves a batch with one penalized request."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (40, V), generator=gen).float()  # many tied maxima
+    argmax = logits.argmax(dim=-1).tolist()
+    reqs, row = [], 0
+    for i in range(10):
+        k = i % 5
+        drafts = [argmax[row + j] if (i + j) % 3 else (argmax[row + j] + 1) % V for j in range(k)]
+        reqs.append(req(row, drafts))
+        row += k + 1
+    calls = []
+    general = RejectionSampler._sample_plain_greedy
+    monkeypatch.setattr(RejectionSampler, "_sample_plain_greedy",
+                        lambda self, *a: calls.append(1) or general(self, *a))
+    fast = RejectionSampler().sample(logits, reqs)
+    assert calls == [1]
+    monkeypatch.setattr(rejection, "_plain_greedy", lambda row: False)
+    slow = RejectionSampler().sample(logits, reqs)
+    assert fast.token_ids == slow.token_ids and fast.num_accepted == slow.num_accepted
+    assert fast.num_accepted == [0, 1, 1, 0, 2, 0, 0, 2, 1, 0]
+    monkeypatch.undo()
+    penalized = req(0, reqs[1].draft_ids, SamplingParams(temperature=0.0, repetition_penalty=1.5))
+    RejectionSampler().sample(logits, [penalized, *reqs[2:]])
+    assert calls == [1]
+
+
 def test_seeded_requests_are_reproducible():
     params = SamplingParams(temperature=1.0, seed=7)
     torch.manual_seed(3)
