@@ -173,7 +173,7 @@ class AdaptiveK:
         it, if timeable, took until this one started: the time of a plain step under async scheduling."""
         if self._skipped is not None and self._after_skip:
             num_base, t0 = self._skipped
-            self.guard.observe(num_base, self.costs(num_base), self._start - t0, 0, 0, tick=False)
+            self.guard.observe(num_base, self.costs(num_base), self._start - t0, 0, 0, 0, tick=False)
         self._skipped = (num_base_tokens, self._start) if self._after_skip and num_base_tokens > 0 else None
         self.guard.tick()
         self._skipping = True
@@ -189,10 +189,10 @@ class AdaptiveK:
         """Are plain steps being timed (under async scheduling: they should run deferred)?"""
         return self._probe_left > 0
 
-    def step_finished(self, num_base_tokens: int, num_draft_tokens: int, num_sampled: int) -> None:
+    def step_finished(self, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
+                      num_accepted: int) -> None:
         """The target step over `num_base_tokens` tokens plus `num_draft_tokens` drafts has been
-        computed and verified (`num_sampled` requests sampled; the drafts' acceptance went to
-        `observe`). It is
+        computed and verified (`num_sampled` requests sampled, `num_accepted` drafts accepted). It is
         timed up to the next step's start (the engine's bookkeeping included), less the proposer's
         work after it (`proposals_made`: it made the next step's drafts) plus the work that made its
         own drafts: a drafting step costs its drafting, a plain step only the proposer's bookkeeping."""
@@ -201,7 +201,9 @@ class AdaptiveK:
             return
         self._timing = False
         predicted = self._predicted_accepted if num_draft_tokens else 0.0
-        self._pending = (num_base_tokens, num_draft_tokens, num_sampled, predicted, self._cost_ratio,
+        # per-request estimates: the guard judges the step's cost at the acceptance planned (guard.py)
+        accepted = predicted if self.shared_prior else num_accepted
+        self._pending = (num_base_tokens, num_draft_tokens, num_sampled, accepted, predicted, self._cost_ratio,
                          max(self._plan_steps, 0), self._start, self._carried_seconds)
 
     def proposals_made(self) -> None:
@@ -212,7 +214,7 @@ class AdaptiveK:
             self._t_verified = None
 
     def _judge(self, seconds: float, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
-               predicted: float, cost_ratio: float, num_draft_steps: int) -> None:
+               num_accepted: float, predicted: float, cost_ratio: float, num_draft_steps: int) -> None:
         """A synchronous step took `seconds`: to the guard (and a drafting step's to `step_overhead`)."""
         if num_draft_tokens == 0 and self.async_steps and not self.probing():
             # a plain step run synchronously costs more than one left in flight: not the reference
@@ -221,8 +223,8 @@ class AdaptiveK:
             return
         if num_draft_tokens:
             self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, seconds)
-        self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled, num_draft_tokens,
-                           predicted, cost_ratio)
+        self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled, num_accepted,
+                           num_draft_tokens, predicted, cost_ratio)
 
     def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
                         seconds: float) -> None:
@@ -395,7 +397,7 @@ def step_tokens(sched: SchedulerOutput) -> tuple[int, int]:
 def step_verified(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
     """The step's forward and verification are done: its time corrects the policy's cost model (the guard)."""
     num_base, num_drafts = step_tokens(sched)
-    policy.step_finished(num_base, num_drafts, len(out.sampled_token_ids))
+    policy.step_finished(num_base, num_drafts, len(out.sampled_token_ids), sum(out.num_accepted.values()))
 
 
 def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:

@@ -8,14 +8,15 @@ says. So every step reports its wall time, and the guard compares:
 
 - plain steps (no drafts): the recent seconds per unit of modelled cost, per token-count bucket
   (`seconds / costs(num_tokens)`, exact up to 16 tokens, 3 significant bits above);
-- drafting steps: the speedup the step's time allowed, (sampled + expected) / sampled x plain time /
-  seconds, where the plain time is what the same step without drafts would have taken (that unit x
-  costs(base tokens)) and `expected` the accepted tokens the policy planned on, turned into the
-  accepted tokens that would have given that speedup at the cost the policy planned the step at,
-  against those it planned on. So the trust judges the step's cost, not its luck: the drafts' own
-  acceptance is the policy's estimate, measured per verification. (Judging the accepted count
-  instead made the trust as noisy as a few steps' acceptance, 0.6-1.0 for drafts that paid 1.2x,
-  and, clipped at 1, biased low: adaptive k then drafted in one step of ten.)
+- drafting steps: the realized speedup, (sampled + accepted) / sampled x plain time / seconds, where
+  the plain time is what the same step without drafts would have taken (that unit x costs(base
+  tokens)), turned into the accepted tokens that would have given that speedup at the cost the policy
+  planned the step at, against the accepted tokens the policy expected of those drafts. `accepted` is
+  what the policy passes: the drafts' accepted count (n-gram lookup: the trust then also catches the
+  acceptance model overrating all-or-nothing drafts), or, for per-request estimates (a draft model's,
+  a head's), the count it expected, so the trust judges the step's cost and not its luck: a few
+  steps' accepted counts made it noisy (0.6-1.0 for drafts that paid 1.2x) and, clipped at 1, biased
+  low, and adaptive k then drafted in one step of twenty where drafts paid.
 
 `trust(base)` = decayed realized / decayed expected accepted tokens over recent drafting steps of a
 batch of that size (power-of-2 buckets), with a prior of a few typical steps pulling it to 1,
@@ -57,10 +58,10 @@ class RealizedGain:
         self._unjudged: dict[int, int] = {}  # unit bucket -> drafting steps since its plain time went stale
 
     def observe(self, num_base_tokens: int, base_cost: float, seconds: float, num_sampled: int,
-                num_draft_tokens: int, predicted_accepted: float = 0.0,
+                num_accepted: int, num_draft_tokens: int, predicted_accepted: float = 0.0,
                 cost_ratio: float = 1.0, tick: bool = True) -> None:
         """A step over `num_base_tokens` tokens (modelled cost `base_cost`) plus `num_draft_tokens`
-        drafts took `seconds`; `num_sampled` requests sampled;
+        drafts took `seconds`; `num_sampled` requests sampled and accepted `num_accepted` drafts;
         `predicted_accepted`: the accepted tokens the policy expected of those drafts, at a modelled
         step cost of `cost_ratio` x the plain step's. `tick`: the observation is a step of its own."""
         if tick:
@@ -84,7 +85,7 @@ class RealizedGain:
             return
         if num_sampled <= 0 or predicted_accepted <= 0:
             return
-        speedup = (num_sampled + predicted_accepted) / num_sampled * unit[0] * base_cost / seconds
+        speedup = (num_sampled + num_accepted) / num_sampled * unit[0] * base_cost / seconds
         realized = (speedup * cost_ratio - 1.0) * num_sampled  # accepted tokens worth that speedup
         sums = self._gain.setdefault(_gain_bucket(num_base_tokens), [0.0, 0.0, predicted_accepted])
         sums[0] += max(realized, -float(num_sampled))

@@ -68,8 +68,8 @@ def run_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, seconds, alph
         policy.step_started()
         num_drafts = sum(ks.values())
         clock.now += seconds(num_reqs, num_drafts)
-        verify(policy, ks, keys, alpha, rng)
-        policy.step_finished(num_reqs, num_drafts, num_reqs)
+        num_accepted = verify(policy, ks, keys, alpha, rng)
+        policy.step_finished(num_reqs, num_drafts, num_reqs, num_accepted)
         drafts_per_step.append(num_drafts)
         ks = policy.plan(rooms, num_reqs, 1000, keys)
         clock.now += draft_seconds(sum(ks.values()))
@@ -194,7 +194,7 @@ def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_s
         clock.now += drafting if num_drafts else plain_sync
         num_accepted = verify(policy, ks, keys, alpha, rng)
         tokens += num_reqs + num_accepted
-        policy.step_finished(num_reqs, num_drafts, num_reqs)
+        policy.step_finished(num_reqs, num_drafts, num_reqs, num_accepted)
         ks = policy.plan(rooms, num_reqs, 1000, keys)
         policy.proposals_made()
     return tokens / (clock.now - start) * plain_deferred / num_reqs
@@ -268,7 +268,7 @@ def run_one_request_at_a_time(policy: AdaptiveK, clock: FakeClock, num_steps: in
             while accepted < num_drafts and rng.random() < rates[accepted]:
                 accepted += 1
             policy.observe(f"r{req}", num_drafts, accepted)
-            policy.step_finished(1, num_drafts, 1)
+            policy.step_finished(1, num_drafts, 1, accepted)
         tokens += 1 + accepted
         left -= 1 + accepted
         if left <= 0:
@@ -286,7 +286,7 @@ def test_per_request_estimates_lean_on_all_requests_acceptance(clock):
     each request's own estimate, a few noisy verifications at decay 0.8, dipped below the bar after two
     rejections and drafting stopped, then backed off (1.01x, drafts in one step of ten). With the shared
     prior (all requests' recent acceptance, as build_proposer sets for draft models and heads) and the
-    guard judging a step's cost rather than its luck, adaptive k keeps most of the gain, and a new
+    guard judging such a step's cost rather than its luck, adaptive k keeps most of the gain, and a new
     request starts from the others' acceptance instead of the fixed prior."""
     rates = [0.4826, 0.5611, 0.6733, 0.5588]
     steps = dict(num_steps=3000, rates=rates, plain_deferred=4.84e-3, plain_sync=6.0e-3, drafting=7.92e-3)
