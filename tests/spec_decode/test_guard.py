@@ -302,9 +302,25 @@ def test_per_request_estimates_lean_on_all_requests_acceptance(clock):
     assert run_one_request_at_a_time(forced, clock, **steps) > 1.2
     assert run_one_request_at_a_time(policy(shared=False), clock, **steps) < 1.08
     shared = policy(shared=True)
-    assert run_one_request_at_a_time(shared, clock, **steps) > 1.14
+    assert run_one_request_at_a_time(shared, clock, **steps) > 1.12
     assert abs(shared.acceptance("a request never seen") - 0.53) < 0.1
     # drafts that never pay (a 10.5 ms drafting step) or are rarely accepted still cost little
     for slow in (dict(steps, drafting=10.5e-3), dict(steps, rates=[0.3] * 4)):
         assert run_one_request_at_a_time(policy(shared=True), clock, **slow) > 0.97
         assert run_one_request_at_a_time(AdaptiveK(4, adaptive=False), clock, **slow) < 0.95
+
+
+def test_a_shared_estimate_after_a_bad_spell_is_retried():
+    """Drafts that were all rejected for a while (a head that never agrees with some text) drive the
+    shared estimate to ~0 and drafting stops; plans that draft nothing let it drift back to the prior,
+    so drafting is tried again after a few of them, as a resting request's own estimate is."""
+    p = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.035)
+    p.shared_prior, p.prior_weight = True, 16.0
+    for i in range(200):
+        p.observe(f"r{i % 3}", 4, 0)
+    assert p.acceptance("new") < 0.01
+    assert p.plan({"new": 8}, 1, 1000) == {"new": 0}
+    plans = 1
+    while not p.plan({"new": 8}, 1, 1000)["new"]:
+        plans += 1
+        assert plans < 60
