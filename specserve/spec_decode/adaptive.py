@@ -69,9 +69,10 @@ class AdaptiveK:
         self.decay = decay
         # shared_prior: a key's prior is the acceptance of every key's recent drafts (decayed counts
         # over all verifications, pool_decay per verification, started at `prior`), not prior_of(key);
-        # a plan that drafts nothing decays it by 0.95 (towards `prior`), so a bad spell is retried
+        # a plan that drafts nothing decays it by pool_rest_decay (towards `prior`), so a bad spell is
+        # retried
         self.shared_prior = False
-        self.pool_decay = 0.99
+        self.pool_decay, self.pool_rest_decay = 0.99, 0.95
         self._pool = _Estimate()
         self.min_gain = min_gain
         # safety factor for cost-model error (a draft's tokens per unit of its cost must beat the
@@ -313,8 +314,8 @@ class AdaptiveK:
         self._predicted_accepted, self._cost_ratio = model_gain, cost / base_cost
         self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
         if self._plan_steps == 0 and self.shared_prior:  # the shared estimate drifts back too
-            self._pool.accepted *= 0.95
-            self._pool.tried *= 0.95
+            self._pool.accepted *= self.pool_rest_decay
+            self._pool.tried *= self.pool_rest_decay
         return ks
 
     def _plan_with(self, order: list[str], alphas: dict[str, float], rooms: dict[str, int],
