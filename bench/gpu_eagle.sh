@@ -59,7 +59,8 @@ EOF
     gguf=$2; head=$3
     $PY bench/spec_decode.py --device cuda --dtype bfloat16 --model "$gguf" --eagle "$head" --no-ngram \
       --sharegpt-skip "$TRAIN_CONVERSATIONS" --concurrency ${LEVELS:-1 4 16 64} --num-speculative-tokens 4 \
-      --max-tokens 128 --repeats 2 --out "$OUT/${NAME:-spec_real}" ${SPEC_ARGS:-} > "$LOGS/${NAME:-spec_real}.log" 2>&1 ;;
+      --max-tokens 128 --repeats 5 --repeats-large 3 --interleave --out "$OUT/${NAME:-spec_real}" ${SPEC_ARGS:-} \
+      > "$LOGS/${NAME:-spec_real}.log" 2>&1 ;;
   dummy)
     shift
     $PY bench/spec_decode.py --device cuda --dtype bfloat16 --load-format dummy --model llama-3.1-8b \

@@ -255,6 +255,9 @@ def main() -> int:
                     help="runs of each speculative setup per level below c=32, each between two baseline runs")
     ap.add_argument("--repeats-large", type=int, default=2, help="the same from c=32 (longer runs)")
     ap.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    ap.add_argument("--interleave", action="store_true",
+                    help="GPU: keep every engine alive and alternate their runs, as on the CPU (with an A/A); "
+                         "for models small enough that all engines fit at once")
     ap.add_argument("--out", default=None, help="path without suffix: writes .json and .md")
     args = ap.parse_args()
     if args.threads:
@@ -273,12 +276,12 @@ def main() -> int:
                "load_avg_start": os.getloadavg(), "model": args.model or "SmolLM2-135M-Instruct",
                "dtype": args.dtype, "max_tokens": args.max_tokens, "k": args.num_speculative_tokens,
                "adaptive": not args.no_adaptive, "levels": []}
-    # CPU: all setups alive, each level measured back to back (fair under a varying machine load);
-    # GPU: one engine at a time (memory), all levels each. Before the timed runs every level's prompts
-    # are prefilled once into the prefix cache, so the identical prefill cost does not dilute the
-    # comparison of decoding (what speculation changes).
+    # CPU (and GPU with --interleave): all setups alive, each level measured back to back (fair under
+    # a varying machine load); GPU: one engine at a time (memory), all levels each. Before the timed
+    # runs every level's prompts are prefilled once into the prefix cache, so the identical prefill
+    # cost does not dilute the comparison of decoding (what speculation changes).
     names = [name for name, _ in configs(args)]
-    groups = [configs(args)] if args.device == "cpu" else [[c] for c in configs(args)]
+    groups = [configs(args)] if args.device == "cpu" or args.interleave else [[c] for c in configs(args)]
     rows: dict[tuple[str, int], dict] = {}
     prompts = None
     setups = None
