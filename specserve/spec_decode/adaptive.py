@@ -279,6 +279,8 @@ class AdaptiveK:
             self._plan_steps = -1  # no drafts this time, but not because none would pay
             self._rest({keys[r] for r in rooms})
             return ks
+        if not self.worth_trying(len(rooms), num_base_tokens):  # no draft could pay: skip the search
+            return self._settle(ks, keys, 0.0, 1.0)
         # The draft steps' cost is shared: one draft forward serves every drafting request, so it is
         # a fixed cost of the step. For each number of draft steps K it is paid up front; requests,
         # in order of decreasing alpha, then each take the k <= K that most improves expected tokens
@@ -309,9 +311,14 @@ class AdaptiveK:
             if plan[3] and beats_plain and tokens * best[1] > best[0] * cost:
                 best = plan
         _, cost, ks, model_gain = best
+        return self._settle(ks, keys, model_gain, cost / base_cost)
+
+    def _settle(self, ks: dict[str, int], keys: dict[str, Hashable], model_gain: float,
+                cost_ratio: float) -> dict[str, int]:
+        """Record the plan `ks` (what the guard and the deferral read) and return it."""
         self._plan_steps = max(ks.values(), default=0)
         self._empty_plans = self._empty_plans + 1 if self._plan_steps == 0 else 0
-        self._predicted_accepted, self._cost_ratio = model_gain, cost / base_cost
+        self._predicted_accepted, self._cost_ratio = model_gain, cost_ratio
         self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
         if self._plan_steps == 0 and self.shared_prior:  # the shared estimate drifts back too
             self._pool.accepted *= self.pool_rest_decay
