@@ -40,18 +40,20 @@ def policy_with(table, max_k: int = 8) -> AdaptiveK:
     return policy
 
 
-def verify(policy: AdaptiveK, ks: dict[str, int], keys: dict, alpha: float, rng: random.Random) -> int:
-    """Each request's drafts accepted one by one with probability `alpha` (a prefix), recorded in the
-    policy; returns the accepted drafts."""
-    num_accepted = 0
+def verify(policy: AdaptiveK, ks: dict[str, int], keys: dict, alpha: float | list[float],
+           rng: random.Random) -> dict[str, int]:
+    """Each request's drafts accepted one by one (a prefix), the j-th with probability `alpha`, or
+    alpha[j] for a list (a head's conditional per-position rates), recorded in the policy; returns
+    each drafting request's accepted drafts."""
+    accepted = {}
     for r, k in ks.items():
         if k:
             a = 0
-            while a < k and rng.random() < alpha:
+            while a < k and rng.random() < (alpha[a] if isinstance(alpha, list) else alpha):
                 a += 1
             policy.observe(keys[r], k, a)
-            num_accepted += a
-    return num_accepted
+            accepted[r] = a
+    return accepted
 
 
 def run_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, seconds, alpha: float, num_reqs: int = 16,
@@ -68,7 +70,7 @@ def run_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, seconds, alph
         policy.step_started()
         num_drafts = sum(ks.values())
         clock.now += seconds(num_reqs, num_drafts)
-        num_accepted = verify(policy, ks, keys, alpha, rng)
+        num_accepted = sum(verify(policy, ks, keys, alpha, rng).values())
         policy.step_finished(num_reqs, num_drafts, num_reqs, num_accepted)
         drafts_per_step.append(num_drafts)
         ks = policy.plan(rooms, num_reqs, 1000, keys)
@@ -170,33 +172,46 @@ def test_the_time_spent_drafting_counts_against_the_drafts(clock):
 
 
 def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_sync: float, plain_deferred: float,
-                    drafting: float, alpha: float, num_reqs: int = 1) -> float:
+                    drafting: float, alpha: float | list[float], num_reqs: int = 1,
+                    request_len: int | None = None) -> float:
     """As the engine runs steps under async scheduling: a step without drafts whose proposer is idle
     (`nothing_to_draft`) is left in flight and costs `plain_deferred` (overlapped with the host's work
     on the next step); one run synchronously costs `plain_sync`; a step verifying drafts `drafting`.
+    Drafts are accepted as `verify` says. With `request_len`, a request finishes after that many
+    tokens and a new one takes its place, each under its own estimate key (as a draft model's or a
+    head's); otherwise the requests share one key (an n-gram match length) and never finish.
     Returns the throughput relative to no speculation (every step deferred)."""
     rng = random.Random(0)
     rooms = {f"r{i}": 8 for i in range(num_reqs)}
-    keys = dict.fromkeys(rooms, 3)
+    keys = {r: r if request_len else 3 for r in rooms}
+    left = dict.fromkeys(rooms, request_len)
     ks: dict[str, int] = {}
-    tokens, start = 0, clock.now
+    tokens, start, num_new = 0, clock.now, 0
     for _ in range(num_steps):
         num_drafts = sum(ks.values())
         defer = num_drafts == 0 and (policy.probing() or policy.plans_nothing()
                                      or not policy.worth_trying(num_reqs, num_reqs))
         policy.step_started()
+        accepted: dict[str, int] = {}
         if defer:
             clock.now += plain_deferred
             policy.step_skipped(num_reqs)
-            tokens += num_reqs
-            ks = {}
-            continue
-        clock.now += drafting if num_drafts else plain_sync
-        num_accepted = verify(policy, ks, keys, alpha, rng)
-        tokens += num_reqs + num_accepted
-        policy.step_finished(num_reqs, num_drafts, num_reqs, num_accepted)
-        ks = policy.plan(rooms, num_reqs, 1000, keys)
-        policy.proposals_made()
+        else:
+            clock.now += drafting if num_drafts else plain_sync
+            accepted = verify(policy, ks, keys, alpha, rng)
+            policy.step_finished(num_reqs, num_drafts, num_reqs, sum(accepted.values()))
+        tokens += num_reqs + sum(accepted.values())
+        for r in list(rooms) if request_len else ():
+            left[r] -= 1 + accepted.get(r, 0)
+            if left[r] <= 0:  # finished: a new request takes its place
+                policy.remove(keys.pop(r))
+                del rooms[r], left[r]
+                num_new += 1
+                new = f"n{num_new}"
+                rooms[new], keys[new], left[new] = 8, new, request_len
+        ks = {} if defer else policy.plan(rooms, num_reqs, 1000, keys)
+        if not defer:
+            policy.proposals_made()
     return tokens / (clock.now - start) * plain_deferred / num_reqs
 
 
@@ -245,41 +260,6 @@ def test_deferred_and_synchronous_steps_are_timed_under_the_same_token_count():
     assert step_tokens(verifying) == (1, 3)
 
 
-def run_one_request_at_a_time(policy: AdaptiveK, clock: FakeClock, num_steps: int, rates: list[float],
-                              plain_deferred: float, plain_sync: float, drafting: float,
-                              request_len: int = 256) -> float:
-    """Concurrency 1 as a draft head sees it: requests of `request_len` tokens one after another, each
-    under its own estimate key; the d-th draft of a chain is accepted with probability rates[d] (a
-    real head's conditional per-position rates). A step without drafts whose proposer is idle runs
-    deferred (`plain_deferred`), else synchronously (`plain_sync`, or `drafting` with drafts).
-    Returns the throughput relative to no speculation."""
-    rng = random.Random(0)
-    req, left, ks, tokens, start = 0, request_len, {}, 0, clock.now
-    for _ in range(num_steps):
-        num_drafts = sum(ks.values())
-        defer = num_drafts == 0 and (policy.probing() or policy.plans_nothing() or not policy.worth_trying(1, 1))
-        policy.step_started()
-        accepted = 0
-        if defer:
-            clock.now += plain_deferred
-            policy.step_skipped(1)
-        else:
-            clock.now += drafting if num_drafts else plain_sync
-            while accepted < num_drafts and rng.random() < rates[accepted]:
-                accepted += 1
-            policy.observe(f"r{req}", num_drafts, accepted)
-            policy.step_finished(1, num_drafts, 1, accepted)
-        tokens += 1 + accepted
-        left -= 1 + accepted
-        if left <= 0:
-            policy.remove(f"r{req}")
-            req, left = req + 1, request_len
-        ks = {} if defer else policy.plan({f"r{req}": 8}, 1, 1000)
-        if not defer:
-            policy.proposals_made()
-    return tokens / (clock.now - start) * plain_deferred
-
-
 def test_per_request_estimates_lean_on_all_requests_acceptance(clock):
     """A head's drafts at k = 4 that pay 1.23x at one request (an H200, 8B shapes, head v4's measured
     per-position rates 0.48 0.56 0.67 0.56; drafting steps 7.9 ms against 4.84 ms plain, as measured):
@@ -288,8 +268,9 @@ def test_per_request_estimates_lean_on_all_requests_acceptance(clock):
     prior (all requests' recent acceptance, as build_proposer sets for draft models and heads) and the
     guard judging such a step's cost rather than its luck, adaptive k keeps most of the gain, and a new
     request starts from the others' acceptance instead of the fixed prior."""
-    rates = [0.4826, 0.5611, 0.6733, 0.5588]
-    steps = dict(num_steps=3000, rates=rates, plain_deferred=4.84e-3, plain_sync=6.0e-3, drafting=7.92e-3)
+    rates = [0.4826, 0.5611, 0.6733, 0.5588]  # one request at a time, 256 tokens each
+    steps = dict(num_steps=3000, alpha=rates, plain_deferred=4.84e-3, plain_sync=6.0e-3, drafting=7.92e-3,
+                 request_len=256)
 
     def policy(shared: bool) -> AdaptiveK:
         p = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.035)
@@ -299,15 +280,15 @@ def test_per_request_estimates_lean_on_all_requests_acceptance(clock):
         return p
 
     forced = AdaptiveK(4, adaptive=False)
-    assert run_one_request_at_a_time(forced, clock, **steps) > 1.2
-    assert run_one_request_at_a_time(policy(shared=False), clock, **steps) < 1.08
+    assert run_async_steps(forced, clock, **steps) > 1.2
+    assert run_async_steps(policy(shared=False), clock, **steps) < 1.08
     shared = policy(shared=True)
-    assert run_one_request_at_a_time(shared, clock, **steps) > 1.12
+    assert run_async_steps(shared, clock, **steps) > 1.12
     assert abs(shared.acceptance("a request never seen") - 0.53) < 0.1
     # drafts that never pay (a 10.5 ms drafting step) or are rarely accepted still cost little
-    for slow in (dict(steps, drafting=10.5e-3), dict(steps, rates=[0.3] * 4)):
-        assert run_one_request_at_a_time(policy(shared=True), clock, **slow) > 0.97
-        assert run_one_request_at_a_time(AdaptiveK(4, adaptive=False), clock, **slow) < 0.95
+    for slow in (dict(steps, drafting=10.5e-3), dict(steps, alpha=[0.3] * 4)):
+        assert run_async_steps(policy(shared=True), clock, **slow) > 0.97
+        assert run_async_steps(AdaptiveK(4, adaptive=False), clock, **slow) < 0.95
 
 
 def test_a_shared_estimate_after_a_bad_spell_is_retried():
