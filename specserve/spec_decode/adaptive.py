@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from specserve.engine.executor import ModelExecutor
     from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
     from specserve.engine.request import Request
+    from specserve.spec_decode.proposer import ProposerBinding
 
 
 @dataclass(slots=True)
@@ -148,6 +149,13 @@ class AdaptiveK:
 
     def remove(self, key: Hashable) -> None:
         self._est.pop(key, None)
+
+    def bind(self, binding: ProposerBinding) -> None:
+        """The proposer is bound to the engine: follow its scheduling (`async_steps`), and measure this
+        machine's step costs if asked (`profile_on_bind`)."""
+        self.async_steps = binding.async_scheduling
+        if self.profile_on_bind:
+            self.calibrate(binding.target, binding.draft)
 
     def calibrate(self, target: ModelExecutor, draft: ModelExecutor | None = None) -> None:
         """Measure this machine's step costs with the target (and the draft model) before serving."""

@@ -46,14 +46,11 @@ class DraftEntries:
         """The proposer does not run for these requests this step (each with the target's verified end):
         the blocks the target wrote are stale. Only this step's positions are marked (the invariant
         above: earlier ones were marked, or written by the proposer, in their own step), in one write."""
-        bs = self.block_size
         blocks: list[int] = []
         for s, verified in steps:
             done = self.valid(s, verified)
             self.computed[s.request.request_id] = done
-            start = max(done, s.start)
-            if verified > start:
-                blocks += s.block_ids[start // bs:-(-verified // bs)]
+            blocks += self._blocks(s.block_ids, max(done, s.start), verified)
         if blocks:
             self.stale[blocks] = True
 
@@ -63,8 +60,11 @@ class DraftEntries:
         self.mark(s.block_ids, start, end, stale=False)
 
     def mark(self, block_ids: list[int], start: int, end: int, stale: bool) -> None:
-        if end > start:
-            self.stale[block_ids[start // self.block_size:-(-end // self.block_size)]] = stale
+        self.stale[self._blocks(block_ids, start, end)] = stale
+
+    def _blocks(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """The blocks that hold positions [start, end) (none when the range is empty)."""
+        return block_ids[start // self.block_size:-(-end // self.block_size)] if end > start else []
 
     def _trusted_prefix(self, s: ScheduledRequest) -> int:
         """A request new to the proposer starts at its prefix hit, short of the first stale block."""

@@ -66,10 +66,8 @@ class DraftModelProposer:
         assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
         self.executor, self.generators = binding.draft, binding.generators
         self.max_model_len = binding.max_model_len
-        self.policy.async_steps = binding.async_scheduling
         self.entries = DraftEntries(binding.draft.block_size, binding.draft.kv_cache.shape[2])
-        if self.policy.profile_on_bind:
-            self.policy.calibrate(binding.target, binding.draft)
+        self.policy.bind(binding)
 
     def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """Nothing of its own to capture (a draft model's steps replay its executor's graphs)."""

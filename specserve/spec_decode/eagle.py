@@ -76,11 +76,9 @@ class EagleProposer:
         assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
         self.executor, self.generators = binding.draft, binding.generators
         self.max_model_len = binding.max_model_len
-        self.policy.async_steps = binding.async_scheduling
         self.entries = DraftEntries(binding.draft.block_size, binding.draft.kv_cache.shape[2])
         self._hidden = binding.draft.slot_states["hidden_states"]
-        if self.policy.profile_on_bind:
-            self.policy.calibrate(binding.target, binding.draft)
+        self.policy.bind(binding)
 
     def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """CUDA: the greedy chain of drafts as one graph per (batch size, k) (spec_decode/eagle_chain.py)."""

@@ -80,12 +80,13 @@ class RealizedGain:
                 unit[0] = self.unit_decay * unit[0] + (1 - self.unit_decay) * per_cost
                 unit[1] = self.num_steps
             return
-        if unit is None or self.num_steps - unit[1] > self.max_age:
+        plain = self.plain_unit(num_base_tokens)
+        if plain is None:
             self._unjudged[bucket] = self._unjudged.get(bucket, 0) + 1
             return
         if num_sampled <= 0 or predicted_accepted <= 0:
             return
-        speedup = (num_sampled + num_accepted) / num_sampled * unit[0] * base_cost / seconds
+        speedup = (num_sampled + num_accepted) / num_sampled * plain * base_cost / seconds
         realized = (speedup * cost_ratio - 1.0) * num_sampled  # accepted tokens worth that speedup
         sums = self._gain.setdefault(_gain_bucket(num_base_tokens), [0.0, 0.0, predicted_accepted])
         sums[0] += max(realized, -float(num_sampled))

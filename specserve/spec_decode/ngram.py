@@ -93,9 +93,7 @@ class NgramProposer:
 
     def bind(self, binding: ProposerBinding) -> None:
         self.max_model_len = binding.max_model_len
-        self.policy.async_steps = binding.async_scheduling
-        if self.policy.profile_on_bind:
-            self.policy.calibrate(binding.target)
+        self.policy.bind(binding)
 
     def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """Nothing to capture: n-gram lookup runs no model."""
