@@ -15,7 +15,8 @@ from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from specserve.engine.request import Request
 from specserve.engine.step_inputs import HostStaging, PendingTokens, StepInputs, build_step_inputs
 from specserve.sample.sampler import RequestGenerators, Sampler, SamplingRow
-from specserve.spec_decode.proposer import DraftStep
+from specserve.spec_decode.proposer import DeviceStep, DraftStep
+from specserve.spec_decode.rejection import plain_greedy
 
 if TYPE_CHECKING:
     from specserve.spec_decode.proposer import Proposer
@@ -95,12 +96,47 @@ class ModelRunner:
             if self.proposer is not None:  # idle this step: it only keeps its books (or its KV)
                 self.proposer.skip(sched, hidden, step.pending, inputs.meta.slot_mapping)
             return step
-        if inputs.logits_rows:
-            self._sample(inputs, hidden, out)
-        if self.proposer is not None:  # also without logits: a draft model follows every prefill chunk
-            out.draft_token_ids = self.proposer.propose(DraftStep(sched, out, hidden, inputs.meta.slot_mapping))
+        if inputs.logits_rows and self._drafts_on_device(inputs):
+            self._verify_and_draft(sched, inputs, hidden, out)
+        else:
+            if inputs.logits_rows:
+                self._sample(inputs, hidden, out)
+            if self.proposer is not None:  # also without logits: a draft model follows every prefill chunk
+                out.draft_token_ids = self.proposer.propose(DraftStep(sched, out, hidden, inputs.meta.slot_mapping))
         step.result = out
         return step
+
+    def _drafts_on_device(self, inputs: StepInputs) -> bool:
+        """Does the proposer draft on the device, and is every sampling request plain greedy?"""
+        return (self.proposer is not None and self.proposer.drafts_on_device
+                and all(not s.request.forks and plain_greedy(s.request.sampling_params, s.request.grammar)
+                        for s, _, _ in inputs.logits_rows))
+
+    def _verify_and_draft(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
+                          out: ModelRunnerOutput) -> None:
+        """Verification and the next drafts with one host wait: the target's argmax of every row, the
+        accepted prefixes (on the device), the proposer's catch-up and chain are all queued before
+        the host waits, once, for the step's tokens and the drafts together; the device does not sit
+        idle between verifying and drafting while the host looks at the accepted counts."""
+        logits = self.target.compute_logits(hidden[inputs.logits_indices])
+        argmax = logits.argmax(dim=-1)
+        rows = inputs.logits_rows
+        after = (inputs.logits_indices + 1).clamp_(max=inputs.input_ids.shape[0] - 1)
+        n = self.rejection_sampler.greedy_on_device(argmax, inputs.input_ids[after], [c for _, _, c in rows],
+                                                    self.staging)
+        pending = self.proposer.draft_on_device(DeviceStep(sched, rows, hidden, inputs.meta.slot_mapping, argmax, n))
+        parts = [argmax, n] + ([pending.tokens.reshape(-1)] if pending.tokens is not None else [])
+        flat = torch.cat(parts).tolist()  # the step's one wait
+        num_logits, num_reqs = len(argmax), len(rows)
+        for i, (s, first, _) in enumerate(rows):
+            req_id, accepted = s.request.request_id, flat[num_logits + i]
+            out.sampled_token_ids[req_id] = s.spec_token_ids[:accepted] + [flat[first + accepted]]
+            if s.spec_token_ids:
+                out.num_accepted[req_id] = accepted
+        width = pending.tokens.shape[1] if pending.tokens is not None else 0
+        drafts = flat[num_logits + num_reqs:]
+        out.draft_token_ids = self.proposer.drafted(
+            pending, out, [drafts[i * width:(i + 1) * width] for i in range(len(pending.chained))])
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """The step's output (waits for its tokens if they are still in flight)."""

@@ -200,18 +200,21 @@ class AdaptiveK:
         return self._probe_left > 0
 
     def step_finished(self, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
-                      num_accepted: int) -> None:
+                      num_accepted: int | None) -> None:
         """The target step over `num_base_tokens` tokens plus `num_draft_tokens` drafts has been
         computed and verified (`num_sampled` requests sampled, `num_accepted` drafts accepted). It is
         timed up to the next step's start (the engine's bookkeeping included), less the proposer's
         work after it (`proposals_made`: it made the next step's drafts) plus the work that made its
-        own drafts: a drafting step costs its drafting, a plain step only the proposer's bookkeeping."""
+        own drafts: a drafting step costs its drafting, a plain step only the proposer's bookkeeping.
+        `num_accepted` None: the verification is still on the device (drafting on the device), which
+        only per-request estimates allow: the guard then judges at the acceptance planned anyway."""
         self._t_verified = time.perf_counter()
         if not self._timing or num_base_tokens <= 0:
             return
         self._timing = False
         predicted = self._predicted_accepted if num_draft_tokens else 0.0
         # per-request estimates: the guard judges the step's cost at the acceptance planned (guard.py)
+        assert self.shared_prior or num_accepted is not None, "n-gram estimates need the accepted count"
         accepted = predicted if self.shared_prior else num_accepted
         self._pending = (num_base_tokens, num_draft_tokens, num_sampled, accepted, predicted, self._cost_ratio,
                          max(self._plan_steps, 0), self._start, self._carried_seconds)
@@ -404,7 +407,7 @@ def sampled_slots(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOut
             policy.observe(key_of(req.request_id), len(s.spec_token_ids),
                            out.num_accepted.get(req.request_id, len(new_ids) - 1))
         num_base += 1
-        slots.append(DraftSlot(s, new_ids, _room(req, new_ids, max_model_len)))
+        slots.append(DraftSlot(s, new_ids, draft_room(req, new_ids, max_model_len)))
     return slots, num_base
 
 
@@ -439,6 +442,11 @@ def plan_step(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput,
               max_num_batched_tokens: int) -> list[DraftSlot]:
     """Record this step's verifications in `policy`, then give each sampled request its k."""
     slots, num_base = sampled_slots(policy, sched, out, max_model_len)
+    return _give_ks(policy, slots, num_base, max_num_batched_tokens)
+
+
+def _give_ks(policy: AdaptiveK, slots: list[DraftSlot], num_base: int, max_num_batched_tokens: int
+             ) -> list[DraftSlot]:
     if slots:
         ks = policy.plan({s.sched.request.request_id: s.room for s in slots}, num_base,
                          max_num_batched_tokens - num_base)
@@ -447,7 +455,26 @@ def plan_step(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput,
     return slots
 
 
-def _room(req: Request, new_ids: list[int], max_model_len: int) -> int:
+def planned_on_device(policy: AdaptiveK, sched: SchedulerOutput, counts: dict[str, int], max_model_len: int,
+                      max_num_batched_tokens: int) -> list[DraftSlot]:
+    """`plan_step` for a step whose verification is still on the device (drafting on the device): every
+    request that samples (`counts`: req_id -> its logits rows, 1 + its drafts) gets its k before its
+    new tokens are known, with the room it would have after the fewest of them (one): the drafts are
+    cut to the real room later (`draft_room`). The step's verifications reach the policy later
+    (`observe`). Its `new_ids` stay empty."""
+    slots: list[DraftSlot] = []
+    num_base = 0
+    for s in sched.scheduled:
+        count = counts.get(s.request.request_id)
+        if count is None:
+            num_base += s.num_tokens  # a prefill chunk: the next step likely has one too
+            continue
+        num_base += 1
+        slots.append(DraftSlot(s, [], max(0, s.request.room(max_model_len, 1) - 1)))
+    return _give_ks(policy, slots, num_base, max_num_batched_tokens)
+
+
+def draft_room(req: Request, new_ids: list[int], max_model_len: int) -> int:
     """Most drafts worth proposing: never past max_tokens / max_model_len (as the scheduler caps
     them), none when the last new token ends the request."""
     if req.stop_for(new_ids[-1], req.num_output_tokens + len(new_ids)) is not None:

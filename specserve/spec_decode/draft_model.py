@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
+    drafts_on_device = False  # its chain runs step by step on the host's tokens
+
     def __init__(self, model: LlamaForCausalLM, policy: AdaptiveK, *, identity: tuple,
                  num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
         """`model`: a loaded draft (or an already-built one, e.g. the target's weights quantized);

@@ -32,21 +32,23 @@ rejection sampler.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from specserve.engine.outputs import SchedulerOutput
+from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.engine.step_inputs import PendingTokens, batch_metadata, chain_metadata
 from specserve.models.layers.attention import AttentionMetadata
 from specserve.sample.sampler import draw, probs_for
-from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, skipped, step_verified
+from specserve.spec_decode.adaptive import (AdaptiveK, DraftSlot, draft_room, nothing_to_draft, plan_step,
+                                            planned_on_device, skipped, step_tokens, step_verified)
 from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.draft_model import _context
 from specserve.spec_decode.eagle_chain import ChainGraphs
 from specserve.spec_decode.eagle_head import EagleHead
-from specserve.spec_decode.proposer import DraftStep, ProposerBinding
+from specserve.spec_decode.proposer import DeviceStep, DraftStep, ProposerBinding
 
 if TYPE_CHECKING:
     from specserve.engine.executor import ModelExecutor
@@ -71,6 +73,9 @@ class EagleProposer:
         self._hidden: torch.Tensor | None = None  # [num_slots + 1, h]: the target's hidden state per KV slot
         self._probs: dict[str, torch.Tensor | None] = {}  # q of the current drafts; None = greedy
         self.chain_graphs: ChainGraphs | None = None  # on CUDA, by capture_graphs
+        # plain greedy steps draft through draft_on_device: on CUDA (set by bind); the same code runs on
+        # the CPU when this is set there (the tests do), with the chain run eagerly
+        self.drafts_on_device = False
 
     def bind(self, binding: ProposerBinding) -> None:
         assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
@@ -79,6 +84,7 @@ class EagleProposer:
         self.entries = DraftEntries(binding.draft.block_size, binding.draft.kv_cache.shape[2])
         self._hidden = binding.draft.slot_states["hidden_states"]
         self.policy.bind(binding)
+        self.drafts_on_device = binding.draft.device.type == "cuda"
 
     def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """CUDA: the greedy chain of drafts as one graph per (batch size, k) (spec_decode/eagle_chain.py)."""
@@ -129,8 +135,7 @@ class EagleProposer:
         segments = []  # (slot, first entry to compute, the newest token's position + 1)
         behind = []
         for s in sched.scheduled:
-            new_ids = out.sampled_token_ids.get(s.request.request_id)
-            verified = s.request.num_tokens + len(new_ids) - 1 if new_ids else s.start + s.num_tokens
+            verified = _verified(s, out)
             slot = drafting.get(s.request.request_id)
             if slot is None:
                 behind.append((s, verified))
@@ -147,7 +152,105 @@ class EagleProposer:
                 all(slot.sched.request.sampling_params.greedy for slot in chained):
             rows = chain.run(newest, meta.seq_lens, ks_d, meta.block_tables, max(ks)).tolist()
             return self._drafts(chained, rows, [[] for _ in chained])
-        return self._chain(newest, chained, [end for _, _, end in segments])
+        tokens, probs = self._chain(newest, chained, [end for _, _, end in segments])
+        return self._drafts(chained, tokens.tolist(), probs)
+
+    # -- the step, drafting on the device ------------------------------------------------------------
+    @torch.inference_mode()
+    def draft_on_device(self, step: DeviceStep) -> DeviceDrafts:
+        """`propose` for plain greedy requests before the step's verification reaches the host: each
+        drafting request's k is planned before its new tokens are known; its catch-up computes the
+        head's entries up to the newest token it would have if every draft were accepted (the target's
+        argmax of each row as the token: equal to the draft where it was accepted, the correction where
+        not, rows past that untrusted, as the chain's are); its newest entry and context length are
+        picked on the device by its accepted count; the chain reads them there. Nothing waits."""
+        sched, policy = step.sched, self.policy
+        num_base, num_drafts = step_tokens(sched)
+        policy.step_finished(num_base, num_drafts, len(step.logits_rows), None)
+        policy.proposals_made()  # this step drafts the next one's within its own time
+        rows = {s.request.request_id: (i, first, count) for i, (s, first, count) in enumerate(step.logits_rows)}
+        slots = planned_on_device(policy, sched, {r: count for r, (_, _, count) in rows.items()},
+                                  self.max_model_len, self.max_num_batched_tokens)
+        self._store(step.hidden, step.slot_mapping)
+        bs, num_logits = self.entries.block_size, step.argmax.shape[0]
+        chained: list[DraftSlot] = []
+        starts: list[int] = []
+        host_ids: list[int] = []
+        picks: list[int] = []  # per catch-up row: its token in cat(argmax, host_ids)
+        sources, query_lens, seq_lens, tables = [], [], [], []
+        which, bases, lens = [], [], []  # per drafting request: its verification row, newest row and L at n = 0
+        num_rows = 0
+        zero = self._hidden.shape[0] - 1
+        for slot in slots:
+            s = slot.sched
+            self._probs.pop(s.request.request_id, None)
+            i, first, count = rows[s.request.request_id]
+            known = s.start + s.num_tokens - count + 1  # positions [0, known) hold tokens the host has
+            end = known + count  # entries up to the newest token if all drafts are accepted
+            # the chain's entries stay within the request's KV slots whatever is accepted
+            slot.k = min(slot.k, min(len(s.block_ids) * bs, self.max_model_len) - end + 1)
+            if slot.k <= 0:
+                slot.k = 0
+                continue
+            start = self.entries.valid(s, known)
+            picks += range(num_logits + len(host_ids), num_logits + len(host_ids) + known - start)
+            picks += range(first, first + count)
+            host_ids += _context(s.request, [], start, known)
+            prev = np.arange(start - 1, end - 1)
+            table = np.asarray(s.block_ids, dtype=np.int64)
+            sources.append(np.where(prev >= 0, table[prev // bs] * bs + prev % bs, zero))
+            which.append(i)
+            bases.append(num_rows + known - start)
+            num_rows += end - start
+            lens.append(known + 1)
+            query_lens.append(end - start)
+            seq_lens.append(end)
+            tables.append(s.block_ids)
+            chained.append(slot)
+            starts.append(start)
+        pending = DeviceDrafts(sched, slots, chained, starts, None)
+        if not chained:
+            return pending
+        ks = [slot.k for slot in chained]
+        ex = self.executor
+        positions, meta, (host_d, picks_d, src_d, ks_d, which_d, bases_d, lens_d) = batch_metadata(
+            query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
+            extra_int64=[np.asarray(a, dtype=np.int64) for a in (host_ids, picks)] +
+            [np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, which, bases, lens)])
+        ids_d = torch.cat([step.argmax, host_d])[picks_d]
+        g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
+        n = step.num_accepted[which_d]
+        newest, context_lens = g[bases_d + n], lens_d + n
+        chain = self.chain_graphs
+        if chain is not None and chain.can_run(len(ks), max(ks)):
+            pending.tokens = chain.run(newest, context_lens.int(), ks_d, meta.block_tables, max(ks))
+        else:  # eager (the CPU): the chain's metadata needs the context lengths on the host
+            pending.tokens, _ = self._chain(newest, chained, context_lens.tolist())
+        return pending
+
+    def drafted(self, pending: DeviceDrafts, out: ModelRunnerOutput, rows: list[list[int]]
+                ) -> dict[str, list[int]]:
+        """After `draft_on_device`, with the step's tokens on the host: the verifications go to the
+        estimates, the head's entries are valid up to each newest token, the rest fall behind; each
+        request's drafts are cut to the room its real new tokens leave."""
+        for s in pending.sched.scheduled:
+            if s.spec_token_ids:
+                req_id = s.request.request_id
+                self.policy.observe(req_id, len(s.spec_token_ids), out.num_accepted[req_id])
+        chained = {slot.sched.request.request_id for slot in pending.chained}
+        self.entries.fall_behind((s, _verified(s, out)) for s in pending.sched.scheduled
+                                 if s.request.request_id not in chained)
+        drafts: dict[str, list[int]] = {}
+        for slot, start, row in zip(pending.chained, pending.starts, rows):
+            s = slot.sched
+            req_id = s.request.request_id
+            new_ids = out.sampled_token_ids[req_id]
+            self.entries.written(s, start, s.request.num_tokens + len(new_ids))
+            k = min(slot.k, draft_room(s.request, new_ids, self.max_model_len))
+            if k > 0:
+                drafts[req_id] = row[:k]
+                self._probs[req_id] = None
+        return drafts
 
     def _store(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The step's hidden states [num_tokens, h] at its KV slots [num_tokens]."""
@@ -184,14 +287,18 @@ class EagleProposer:
     def _dtype(self) -> torch.dtype:
         return self.head.fc.weight.dtype
 
-    def _chain(self, out: torch.Tensor, drafting: list[DraftSlot], ends: list[int]) -> dict[str, list[int]]:
+    def _chain(self, out: torch.Tensor, drafting: list[DraftSlot], ends: list[int]
+               ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """k drafts per drafting request: the first from its newest token's entry (`out` [P, h]),
         each next one from a head forward of one token per request (draft j - 1 and the head's
-        output before it). Requests are ordered by k, most first, so step j runs a prefix of them."""
+        output before it). Requests run ordered by k, most first, so step j runs a prefix of them.
+        Returns the drafts [P, max k] (target ids) and each request's q per draft (random ones), in
+        the order given."""
         ex = self.executor
         order = sorted(range(len(drafting)), key=lambda i: -drafting[i].k)
+        reordered = order != sorted(order)
         drafting, ends = [drafting[i] for i in order], [ends[i] for i in order]
-        out = out[torch.tensor(order, device=out.device)] if order != sorted(order) else out
+        out = out[torch.tensor(order, device=out.device)] if reordered else out
         ks = [slot.k for slot in drafting]
         max_k = ks[0]
         num_active = [sum(k > j for k in ks) for j in range(1, max_k)]  # chain step j + 1
@@ -205,7 +312,10 @@ class EagleProposer:
                 positions, meta = steps[j - 1]
                 out = ex.forward(tokens[:n, j - 1], positions, meta, hidden_states=out[:n])
             tokens[:n, j] = self._sample(ex.compute_logits(out), drafting[:n], probs[:n])
-        return self._drafts(drafting, tokens.tolist(), probs)
+        if not reordered:
+            return tokens, probs
+        back = sorted(range(len(order)), key=order.__getitem__)  # the callers' order again
+        return tokens[torch.tensor(back, device=tokens.device)], [probs[i] for i in back]
 
     def _drafts(self, drafting: list[DraftSlot], rows: list[list[int]], probs: list[list[torch.Tensor]]
                 ) -> dict[str, list[int]]:
@@ -235,3 +345,20 @@ class EagleProposer:
                 full[vocab] = q[i]
                 probs[i].append(full)
         return vocab[picked]
+
+
+def _verified(s: ScheduledRequest, out: ModelRunnerOutput) -> int:
+    """The end of the positions whose target KV holds the request's real tokens after this step."""
+    new_ids = out.sampled_token_ids.get(s.request.request_id)
+    return s.request.num_tokens + len(new_ids) - 1 if new_ids else s.start + s.num_tokens
+
+
+@dataclass(slots=True)
+class DeviceDrafts:
+    """`draft_on_device`'s work in flight: the plan, and the drafts [P, max k] still on the device."""
+
+    sched: SchedulerOutput
+    slots: list[DraftSlot]  # every request that sampled, with its k (0: no drafts)
+    chained: list[DraftSlot]  # those that draft, in the order of `tokens`' rows
+    starts: list[int]  # per chained request: the first head entry its catch-up wrote
+    tokens: torch.Tensor | None  # [len(chained), max k] int64

@@ -77,6 +77,7 @@ class NgramProposer:
     num_lookahead_tokens = 0
     cache_identity = None
     draft_model = None
+    drafts_on_device = False  # lookups read the tokens on the host
 
     def __init__(self, policy: AdaptiveK, *, prompt_lookup_min: int, prompt_lookup_max: int,
                  max_num_batched_tokens: int) -> None:

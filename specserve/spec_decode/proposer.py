@@ -13,7 +13,11 @@ the runner hands it plain data:
    The scheduler may still shorten a draft (token budget, max_tokens); drafts are always used as a
    prefix, so per-position draft probabilities stay valid;
 3. or, on a step the engine left in flight because `idle(sched)` said no draft could pay,
-   `skip(sched)` instead of `propose`.
+   `skip(sched)` instead of `propose`;
+4. or, for a proposer with `drafts_on_device` and a step whose sampling requests are all plain
+   greedy, `draft_on_device(DeviceStep)` instead of `propose`, before the step's verification has
+   reached the host (its accepted counts are device tensors), then `drafted(...)` once the host has
+   the step's tokens and the drafts: the host waits for the device once per step, not twice.
 """
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ import torch
 
 if TYPE_CHECKING:
     from specserve.engine.executor import ModelExecutor
-    from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+    from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
     from specserve.engine.step_inputs import PendingTokens
     from specserve.models.llama import LlamaForCausalLM
     from specserve.sample.sampler import RequestGenerators
+    from specserve.spec_decode.eagle import DeviceDrafts
 
 
 @dataclass(slots=True)
@@ -51,6 +56,18 @@ class DraftStep:
     slot_mapping: torch.Tensor  # [num_tokens] int64, device: the KV slot of each of those rows
 
 
+@dataclass(slots=True)
+class DeviceStep:
+    """A step of plain greedy requests whose verification is still on the device."""
+
+    sched: SchedulerOutput
+    logits_rows: list[tuple[ScheduledRequest, int, int]]  # (request, its first logits row, 1 + its drafts)
+    hidden: torch.Tensor  # [num_tokens, hidden_size]: the target's last hidden states of this step
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device: the KV slot of each of those rows
+    argmax: torch.Tensor  # [num_logits] int64, device: the target's argmax of every logits row
+    num_accepted: torch.Tensor  # [len(logits_rows)] int64, device: each request's accepted drafts
+
+
 class Proposer(Protocol):
     """A draft source: n-gram prompt lookup, a draft model, an EAGLE-style head."""
 
@@ -61,6 +78,8 @@ class Proposer(Protocol):
     cache_identity: tuple | None
     #: a model the engine must run over the shared block ids (KV, graphs), or None.
     draft_model: LlamaForCausalLM | None
+    #: drafts plain greedy steps through `draft_on_device` / `drafted` (step 4 above).
+    drafts_on_device: bool
 
     def bind(self, binding: ProposerBinding) -> None:
         """Called once by the engine builder, before the first step."""
@@ -85,6 +104,15 @@ class Proposer(Protocol):
         blocks the target wrote as stale for its own KV; an EAGLE head stores `hidden`, the step's
         hidden states, at their KV slots `slot_mapping`; `pending`: the step's sampled tokens, still
         on the device)."""
+
+    def draft_on_device(self, step: DeviceStep) -> DeviceDrafts:
+        """Queue the next step's drafts on the device from a step whose verification is still there
+        (only with `drafts_on_device`). The result's `tokens` [P, K] are read by the runner."""
+
+    def drafted(self, pending: DeviceDrafts, out: ModelRunnerOutput, rows: list[list[int]]
+                ) -> dict[str, list[int]]:
+        """After `draft_on_device`: the step's tokens are in `out`, the drafts' rows (`pending.tokens`)
+        in `rows`. Keep the books; return the drafts per request id, as `propose` does."""
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         """[num_drafts, vocab] probabilities the request's current drafts were sampled from;

@@ -31,12 +31,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from specserve.engine.outputs import ModelRunnerOutput
 from specserve.sample.sampler import SamplingRow, apply_penalties, draw, probs_for, top_logprobs
 from specserve.sample.structured import GrammarMasks
+
+if TYPE_CHECKING:
+    from specserve.engine.step_inputs import HostStaging
+    from specserve.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -68,10 +74,9 @@ def recovered_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, residual / total.clamp_min(1e-30), p)
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
-    """Is the request's next token the argmax of its raw logits row?"""
-    return (row.params.greedy and not row.params.adjusts_logits and row.grammar is None
-            and row.params.logprobs is None)
+def plain_greedy(params: SamplingParams, grammar) -> bool:
+    """Is a request's next token the argmax of its raw logits row (and nothing else wanted of them)?"""
+    return params.greedy and not params.adjusts_logits and grammar is None and params.logprobs is None
 
 
 class RejectionSampler:
@@ -101,7 +106,7 @@ class RejectionSampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: Sequence[VerifyRequest]) -> VerifyResult:
         """logits: [N, V] fp32 holding each request's 1 + k rows from `first_row`."""
-        if all(_plain_greedy(r.row) for r in reqs):
+        if all(plain_greedy(r.row.params, r.row.grammar) for r in reqs):
             return self._sample_plain_greedy(logits, reqs)
         device, vocab = logits.device, logits.shape[1]
         num_reqs = len(reqs)
@@ -169,6 +174,29 @@ class RejectionSampler:
             token_ids.append(r.draft_ids[:n] + [argmax[row + n]])
             num_accepted.append(n)
         return VerifyResult(token_ids, num_accepted, [None] * len(reqs))
+
+    def greedy_on_device(self, argmax: torch.Tensor, next_ids: torch.Tensor, counts: Sequence[int],
+                         staging: HostStaging) -> torch.Tensor:
+        """The greedy rule with the verification left on the device, for drafting on the device: `argmax`
+        [M] the target's argmax of every logits row, `next_ids` [M] the input token after each row's
+        (the draft the row judges; anything on a request's last row), `counts` the requests' rows
+        (1 + k each, in row order). Returns the accepted-prefix lengths n [R] on the device: request
+        r's tokens are its first n drafts, then argmax[its first row + n]. (With `simulated_acceptance`
+        n is drawn on the host and uploaded.) No host wait."""
+        num, max_k = len(counts), max(counts) - 1
+        if max_k == 0:
+            return torch.zeros(num, dtype=torch.long, device=argmax.device)
+        ks = np.asarray(counts, dtype=np.int64) - 1
+        valid = np.arange(max_k)[None, :] < ks[:, None]  # [R, K]
+        if self.simulated_acceptance is not None:
+            accepted = self._simulated(num, max_k, "cpu").numpy() & valid
+            (n,) = staging.to_device([np.cumprod(accepted, axis=1).sum(axis=1)], torch.int64)
+            return n
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        grid = np.where(valid, firsts[:, None] + np.arange(max_k)[None, :], len(argmax))  # padding: no match
+        (grid_d,) = staging.to_device([grid.ravel()], torch.int64)
+        match = torch.cat([argmax == next_ids, argmax.new_zeros(1, dtype=torch.bool)])
+        return match[grid_d].view(num, max_k).long().cumprod(dim=1).sum(dim=1)
 
     def _sample_random(self, rand: list[int], reqs: Sequence[VerifyRequest], target: torch.Tensor,
                        drafts: torch.Tensor, valid: torch.Tensor, num_accepted: torch.Tensor,

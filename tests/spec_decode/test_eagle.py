@@ -161,6 +161,75 @@ def test_greedy_identity_with_adaptive_k_and_async_steps(tiny_llama_dir, trained
     assert stats["spec_decode_num_drafts"] > 0, "adaptive k never drafted: the case did not run"
 
 
+# -- drafting on the device: one host wait per step ------------------------------------------------
+def _run_on_device(model_dir, args: str, spec: dict, on_device: bool, prompts=None, params=GREEDY, **engine):
+    """Generate with the EAGLE proposer drafting on the device or not (on the CPU the device path is
+    the same code as on CUDA, with the chain run eagerly); counts its `draft_on_device` calls."""
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", **{**ENGINE_ARGS[args], **engine},
+              speculative_config=spec)
+    proposer = llm.engine.proposer
+    proposer.drafts_on_device = on_device
+    calls = []
+    draft = proposer.draft_on_device
+    proposer.draft_on_device = lambda step: calls.append(step) or draft(step)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts or spec_prompts()], params)
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0
+    stats = llm.engine.stats()
+    counts = (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
+              stats["spec_decode_num_accepted_tokens"])
+    return [o.outputs[0].token_ids for o in outs], counts, len(calls)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("args", ["mixed", "preempt"])
+def test_drafting_on_the_device_drafts_as_the_host_path(tiny_llama_dir, trained_head_dir, k, args):
+    """Verification and drafting queued before one host wait (the catch-up over every row the step
+    might accept, the newest entry picked by the accepted count on the device) give the target's
+    output (fp32: prefix hits, chunked prefill, preemption) and exactly the drafts and acceptance of
+    the host path at a fixed k."""
+    spec = eagle_config(trained_head_dir, k)
+    host = _run_on_device(tiny_llama_dir, args, spec, False)
+    device = _run_on_device(tiny_llama_dir, args, spec, True)
+    assert host[2] == 0 and device[2] > 0, "the device path did not run"
+    assert device[0] == host[0] == reference(tiny_llama_dir, args)
+    assert device[1] == host[1] and 0 < host[1][2] < host[1][1]
+
+
+def test_drafting_on_the_device_with_adaptive_k_async_steps_and_random_requests(tiny_llama_dir, trained_head_dir):
+    """Adaptive k plans before the step's acceptance is known and steps without drafts run ahead;
+    a batch with a random request takes the host path that step. Greedy requests keep the target's
+    output, and the random ones run to their length."""
+    spec = eagle_config(trained_head_dir, 3, adaptive=True, compute_bound_tokens=4)
+    got, counts, calls = _run_on_device(tiny_llama_dir, "mixed", spec, True, async_scheduling=True)
+    assert got == reference(tiny_llama_dir, "mixed")
+    assert calls > 0 and counts[0] > 0 and counts[2] > 0
+    prompts = spec_prompts()[:4]
+    mixed = [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=MAX_NEW, ignore_eos=True)
+             for i in range(len(prompts))]
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"],
+              speculative_config=eagle_config(trained_head_dir, 3))
+    llm.engine.proposer.drafts_on_device = True
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], mixed)
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
+    assert [o.outputs[0].token_ids for o in outs][::2] == reference(tiny_llama_dir, "mixed")[:4][::2]
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_drafting_on_the_device_up_to_the_context_limit(tiny_llama_dir, trained_head_dir):
+    """Requests run into max_model_len (60: not a multiple of the block size): the catch-up's rows and
+    the chain stay within the request's KV slots whatever the step accepts (so near the limit k is cut
+    for the most accepted, a few drafts fewer than the host path), and output is the target's."""
+    prompts = [p[:20] for p in spec_prompts()[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    spec = eagle_config(trained_head_dir, 4)
+    engine = dict(max_model_len=60)
+    host = _run_on_device(tiny_llama_dir, "mixed", spec, False, prompts, params, **engine)
+    device = _run_on_device(tiny_llama_dir, "mixed", spec, True, prompts, params, **engine)
+    assert all(len(t) == 60 - len(p) for t, p in zip(device[0], prompts))
+    assert device[0] == host[0] and device[2] > 0
+    assert host[1][1] - 12 <= device[1][1] <= host[1][1] and device[1][2] > 0
+
+
 # -- lazy catch-up: hidden states kept beside the KV ------------------------------------------------
 def _head_query_lens(llm: LLM) -> list[list[int]]:
     """Wrap the head executor's forward to record each call's per-request query lengths."""
@@ -238,17 +307,20 @@ def test_a_prefix_hit_drafts_as_without_the_cache(tiny_llama_dir, trained_head_d
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, trained_head_dir):
     """On a GPU (triton backend): the greedy chain replayed from one CUDA graph per (batch, k) drafts
-    what the eager chain drafts (same acceptance, fp32), and output is the torch backend's."""
+    what the eager chain drafts, drafting on the device what the host path drafts (same acceptance,
+    fp32), and output is the torch backend's."""
     prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
     args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
                 max_num_batched_tokens=64, speculative_config=eagle_config(trained_head_dir, 3))
     runs = {}
     backends = {"torch": dict(attention_backend="torch"), "eager": dict(attention_backend="triton", enforce_eager=True),
-                "graph": dict(attention_backend="triton")}
+                "graph": dict(attention_backend="triton"), "host": dict(attention_backend="triton")}
     for name, kw in backends.items():
         llm = LLM(str(tiny_llama_dir), **args, **kw)
         chain = llm.engine.proposer.chain_graphs
-        assert (chain is not None) == (name == "graph")
+        assert (chain is not None) == (name in ("graph", "host"))
+        assert llm.engine.proposer.drafts_on_device  # on CUDA: verification and drafting with one wait
+        llm.engine.proposer.drafts_on_device = name != "host"
         replays = []
         if chain is not None:
             chain.run = lambda *a, _run=chain.run, _replays=replays: _replays.append(1) or _run(*a)
@@ -257,7 +329,7 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, trained_head_dir)
         runs[name] = ([o.outputs[0].token_ids for o in outs], stats["spec_decode_num_drafts"],
                       stats["spec_decode_num_accepted_tokens"])
         assert name != "graph" or len(replays) > 0
-    assert runs["graph"] == runs["eager"]
+    assert runs["graph"] == runs["eager"] == runs["host"]
     assert runs["graph"][0] == runs["torch"][0] and runs["graph"][2] > 0
 
 

@@ -22,6 +22,7 @@ class AdversarialProposer:
 
     cache_identity = None
     draft_model = None
+    drafts_on_device = False
 
     def __init__(self, mode: str, reference: dict[tuple, list[int]], lookahead: int, seed: int = 0) -> None:
         self.mode = mode

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import specserve.spec_decode.rejection as rejection
+from specserve.engine.step_inputs import HostStaging
 from specserve.sample.sampler import SamplingRow, probs_for
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.rejection import RejectionSampler, VerifyRequest
@@ -120,10 +121,21 @@ def test_plain_greedy_batches_take_the_host_path_with_the_same_tokens(monkeypatc
                         lambda self, *a: calls.append(1) or general(self, *a))
     fast = RejectionSampler().sample(logits, reqs)
     assert calls == [1]
-    monkeypatch.setattr(rejection, "_plain_greedy", lambda row: False)
+    monkeypatch.setattr(rejection, "plain_greedy", lambda params, grammar: False)
     slow = RejectionSampler().sample(logits, reqs)
     assert fast.token_ids == slow.token_ids and fast.num_accepted == slow.num_accepted
     assert fast.num_accepted == [0, 1, 1, 0, 2, 0, 0, 2, 1, 0]
+    # the same rule left on the device (drafting on the device): the input token after each row is
+    # the draft it judges; each request's last row is followed by another request's first token
+    next_ids = torch.tensor([t for r in reqs for t in r.draft_ids + [r.draft_ids[0] if r.draft_ids else 3]])
+    n = RejectionSampler().greedy_on_device(torch.tensor(argmax[:row]), next_ids, [len(r.draft_ids) + 1 for r in reqs],
+                                            HostStaging(torch.device("cpu")))
+    assert n.tolist() == fast.num_accepted
+    counts = [len(r.draft_ids) + 1 for r in reqs]
+    for rate, want in ((1.0, [c - 1 for c in counts]), (0.0, [0] * len(reqs))):  # benchmarks' replay
+        sim = RejectionSampler(simulated_acceptance=rate)
+        assert sim.greedy_on_device(torch.tensor(argmax[:row]), next_ids, counts,
+                                    HostStaging(torch.device("cpu"))).tolist() == want
     monkeypatch.undo()
     penalized = req(0, reqs[1].draft_ids, SamplingParams(temperature=0.0, repetition_penalty=1.5))
     RejectionSampler().sample(logits, [penalized, *reqs[2:]])
