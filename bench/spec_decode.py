@@ -138,11 +138,15 @@ def configs(args) -> list[tuple[str, dict | None]]:
                                       load_format=args.load_format)))
         if args.eagle:
             out.append(("eagle", dict(base, method="eagle", model=args.eagle)))
+            if args.host_drafting:
+                out.append(("eagle host", out[-1][1]))
         return out
     out = [("none", None)]
     if args.eagle:  # a random head of the target's shape, accepting at the given rate per position
         out.append(("eagle sim", dict(base, method="eagle", load_format="dummy",
                                       simulated_acceptance=args.eagle_acceptance)))
+        if args.host_drafting:
+            out.append(("eagle sim host", out[-1][1]))
     if args.draft_model:
         draft = dict(base, method="draft_model", load_format="dummy")
         out.append(("draft=target", dict(draft, model=args.model)))
@@ -220,6 +224,8 @@ def build_setups(args, group, engine_args) -> list[Setup]:
         else:
             llm = LLM(args.model, speculative_config=spec, **engine_args)
             proposer = llm.engine.proposer
+            if name.endswith(" host"):  # --host-drafting: verification and drafting with a host wait between
+                proposer.drafts_on_device = False
         llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=4))  # warm up
         setups.append(Setup(name, llm, proposer))
     return setups
@@ -248,6 +254,9 @@ def main() -> int:
     ap.add_argument("--eagle-acceptance", type=float, nargs="+", default=[0.8],
                     help="dummy weights: the head's acceptance rate per draft position (BENCHMARK-ONLY replay)")
     ap.add_argument("--no-ngram", action="store_true", help="leave the n-gram setup out")
+    ap.add_argument("--host-drafting", action="store_true",
+                    help="also run EAGLE with the host path: verification read back before drafting (on CUDA "
+                         "the engine drafts on the device, with one host wait per step)")
     ap.add_argument("--sharegpt-skip", type=int, default=0,
                     help="ShareGPT prompts from after the first N conversations (held out from a head's training)")
     ap.add_argument("--threads", type=int, default=None)

@@ -79,11 +79,12 @@ def _time_phases(engine, phases: collections.Counter):
     """Wrap the step's phases with wall-clock timers; returns a function that unwraps them."""
     runner, proposer = engine.runner, engine.runner.proposer
     targets = [(engine.scheduler, "schedule"), (engine.scheduler, "resolve"), (runner, "launch"),
-               (runner, "collect"), (runner, "_sample")]
+               (runner, "collect"), (runner, "_sample"), (runner, "_verify_and_draft")]
     if proposer is not None:
-        targets += [(proposer, name) for name in ("propose", "skip", "_catch_up", "_chain") if hasattr(proposer, name)]
+        targets += [(proposer, name) for name in ("propose", "skip", "_catch_up", "_chain", "draft_on_device", "drafted")
+                    if hasattr(proposer, name)]
         if runner.rejection_sampler is not None:
-            targets.append((runner.rejection_sampler, "verify"))
+            targets += [(runner.rejection_sampler, "verify"), (runner.rejection_sampler, "greedy_on_device")]
         if getattr(proposer, "chain_graphs", None) is not None:
             targets.append((proposer.chain_graphs, "run"))
     saved = []
