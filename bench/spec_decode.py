@@ -76,14 +76,17 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
     engine = llm.engine
     before = engine.stats()
     pending = list(enumerate(prompts))
-    num_out, steps, in_flight, tpots = 0, 0, 0, []
+    num_out, steps, in_flight, tpots, step_s = 0, 0, 0, [], []
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and in_flight < concurrency:
             i, p = pending.pop(0)
             engine.add_request(f"b{time.monotonic_ns()}-{i}", {"prompt_token_ids": p}, params)
             in_flight += 1
-        for out in engine.step():
+        t_step = time.perf_counter()
+        outs = engine.step()
+        step_s.append(time.perf_counter() - t_step)
+        for out in outs:
             if out.finished:
                 in_flight -= 1
                 n = len(out.outputs[0].token_ids)
@@ -110,6 +113,7 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
         "acceptance_rate": round(accepted / delta["spec_decode_num_draft_tokens"], 3) if drafts else None,
         "accepted_per_pos": per_pos, "acceptance_per_position": conditional_rates(per_pos, drafts),
+        "slowest_steps_ms": [round(1000 * t, 1) for t in sorted(step_s)[-3:]],  # a stall shows here
     }
 
 
@@ -174,6 +178,7 @@ def merge_runs(runs: list[dict]) -> dict:
     out["acceptance_rate"] = round(out["num_accepted_tokens"] / out["num_draft_tokens"], 3) if drafts else None
     out["repeats"] = len(runs)
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    out["slowest_steps_ms"] = [r["slowest_steps_ms"] for r in runs]
     return out
 
 

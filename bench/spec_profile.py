@@ -81,8 +81,8 @@ def _time_phases(engine, phases: collections.Counter):
     targets = [(engine.scheduler, "schedule"), (engine.scheduler, "resolve"), (runner, "launch"),
                (runner, "collect"), (runner, "_sample"), (runner, "_verify_and_draft")]
     if proposer is not None:
-        targets += [(proposer, name) for name in ("propose", "skip", "_catch_up", "_chain", "draft_on_device", "drafted")
-                    if hasattr(proposer, name)]
+        names = ("propose", "skip", "_catch_up", "_chain", "draft_on_device", "drafted")
+        targets += [(proposer, name) for name in names if hasattr(proposer, name)]
         if runner.rejection_sampler is not None:
             targets += [(runner.rejection_sampler, "verify"), (runner.rejection_sampler, "greedy_on_device")]
         if getattr(proposer, "chain_graphs", None) is not None:
