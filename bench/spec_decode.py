@@ -77,6 +77,7 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
     before = engine.stats()
     pending = list(enumerate(prompts))
     num_out, steps, in_flight, tpots, step_s = 0, 0, 0, [], []
+    probe = StallProbe()
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and in_flight < concurrency:
@@ -96,6 +97,7 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
                     tpots.append((m.finished_time - m.first_token_time) / (n - 1))
         steps += 1
     elapsed = time.perf_counter() - t0
+    causes = probe.done()
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                                                "spec_decode_num_accepted_tokens")}
@@ -114,7 +116,42 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
         "acceptance_rate": round(accepted / delta["spec_decode_num_draft_tokens"], 3) if drafts else None,
         "accepted_per_pos": per_pos, "acceptance_per_position": conditional_rates(per_pos, drafts),
         "slowest_steps_ms": [round(1000 * t, 1) for t in sorted(step_s)[-3:]],  # a stall shows here
+        **causes,
     }
+
+
+class StallProbe:
+    """What may stall a run, counted over it: kernels Triton compiled (new entries in its cache),
+    garbage collections (their time), and the CUDA allocator's device allocations and retries."""
+
+    def __init__(self) -> None:
+        self.cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+        self.kernels = self._kernels()
+        self.gc_s, self._gc_t0 = 0.0, 0.0
+        gc.callbacks.append(self._gc)
+        self.alloc = self._alloc()
+
+    def _kernels(self) -> int:
+        return len(os.listdir(self.cache)) if self.cache.is_dir() else 0
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_t0
+
+    @staticmethod
+    def _alloc() -> tuple[int, int]:
+        if not torch.cuda.is_available():
+            return (0, 0)
+        stats = torch.cuda.memory_stats()
+        return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+
+    def done(self) -> dict:
+        gc.callbacks.remove(self._gc)
+        alloc = self._alloc()
+        return {"kernels_compiled": self._kernels() - self.kernels, "gc_ms": round(1000 * self.gc_s, 1),
+                "device_allocs": alloc[0] - self.alloc[0], "alloc_retries": alloc[1] - self.alloc[1]}
 
 
 def conditional_rates(per_pos: list[int], drafts: int) -> list[float] | None:
@@ -178,7 +215,8 @@ def merge_runs(runs: list[dict]) -> dict:
     out["acceptance_rate"] = round(out["num_accepted_tokens"] / out["num_draft_tokens"], 3) if drafts else None
     out["repeats"] = len(runs)
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
-    out["slowest_steps_ms"] = [r["slowest_steps_ms"] for r in runs]
+    for key in ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries"):
+        out[key] = [r[key] for r in runs]
     return out
 
 
