@@ -60,42 +60,48 @@ class HostStaging:
     def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Pinned host views that the device tensors (1-D, one dtype) are being copied into; valid
         once `last_event` has completed."""
-        sizes = [t.numel() for t in tensors]
-        slot = self._buffer(tensors[0].dtype, sum(sizes))
-        out = _views(slot[0], sizes)
+        offsets, total = _layout([t.numel() for t in tensors], tensors[0].element_size())
+        slot = self._buffer(tensors[0].dtype, total)
+        out = [slot[0][o:o + t.numel()] for o, t in zip(offsets, tensors)]
         for t, view in zip(tensors, out):
             view.copy_(t, non_blocking=True)
         self._copied(slot)
         return out
 
     def to_device(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Device tensors (views of one copy) holding `arrays` (1-D numpy, any int dtype)."""
-        sizes = [len(a) for a in arrays]
-        total = sum(sizes)
-        if not self.pinned:  # the CPU: the tensors are the (concatenated) host arrays
-            flat = torch.from_numpy(np.concatenate(arrays).astype(_NP[dtype], copy=False))
+        """Device tensors (views of one copy) holding `arrays` (1-D numpy, any int dtype), each
+        starting on a 16-byte boundary: Triton compiles a kernel variant per alignment class of its
+        pointer arguments, so views at odd offsets would cost a compile (a stalled step) the first
+        time each class shows up."""
+        offsets, total = _layout([len(a) for a in arrays], torch.empty(0, dtype=dtype).element_size())
+        if not self.pinned:  # the CPU: the tensors view one host array
+            flat = torch.zeros(total, dtype=dtype)
+            host = flat.numpy()
         else:
             slot = self._buffer(dtype, total)
             host = slot[0].numpy()
-            offset = 0
-            for a, n in zip(arrays, sizes):
-                host[offset:offset + n] = a
-                offset += n
+        for a, o in zip(arrays, offsets):
+            host[o:o + len(a)] = a
+        if self.pinned:
             flat = slot[0][:total].to(self.device, non_blocking=True)
             self._copied(slot)
-        return _views(flat, sizes)
+        return [flat[o:o + len(a)] for o, a in zip(offsets, arrays)]
 
 
-def _views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Consecutive 1-D views of `flat` with the given sizes."""
-    out, offset = [], 0
+ALIGN_BYTES = 16
+
+
+def _layout(sizes: list[int], elem_size: int) -> tuple[list[int], int]:
+    """Offsets (in elements) of consecutive arrays of these sizes, each on an ALIGN_BYTES boundary,
+    and the total length."""
+    step = max(1, ALIGN_BYTES // elem_size)
+    offsets, end = [], 0
     for n in sizes:
-        out.append(flat[offset:offset + n])
-        offset += n
-    return out
+        offsets.append(end)
+        end += -(-n // step) * step
+    return offsets, end
 
 
-_NP = {torch.int64: np.int64, torch.int32: np.int32}
 _DEFAULT_STAGING: dict[torch.device, HostStaging] = {}
 
 
