@@ -180,7 +180,6 @@ class EagleProposer:
         sources, query_lens, seq_lens, tables = [], [], [], []
         which, bases, lens = [], [], []  # per drafting request: its verification row, newest row and L at n = 0
         num_rows = 0
-        zero = self._hidden.shape[0] - 1
         for slot in slots:
             s = slot.sched
             self._probs.pop(s.request.request_id, None)
@@ -196,9 +195,7 @@ class EagleProposer:
             picks += range(num_logits + len(host_ids), num_logits + len(host_ids) + known - start)
             picks += range(first, first + count)
             host_ids += _context(s.request, [], start, known)
-            prev = np.arange(start - 1, end - 1)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            sources.append(np.where(prev >= 0, table[prev // bs] * bs + prev % bs, zero))
+            sources.append(self._sources(s.block_ids, start, end))
             which.append(i)
             bases.append(num_rows + known - start)
             num_rows += end - start
@@ -262,16 +259,13 @@ class EagleProposer:
         the outputs of each request's last entry (the newest token's) [P, h], the forward's metadata
         (seq_lens = the ends, block tables) and `ks` on the device [P]."""
         bs = self.entries.block_size
-        zero = self._hidden.shape[0] - 1  # the slot index of a zero hidden state
         ids: list[int] = []
         sources = []  # per request: the slots of the hidden states its entries read
         query_lens, seq_lens, tables = [], [], []
         for slot, start, end in segments:
             s = slot.sched
             ids += _context(s.request, slot.new_ids, start, end)
-            prev = np.arange(start - 1, end - 1)  # entry p reads the hidden state at p - 1
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            sources.append(np.where(prev >= 0, table[prev // bs] * bs + prev % bs, zero))
+            sources.append(self._sources(s.block_ids, start, end))
             query_lens.append(end - start)
             seq_lens.append(end)
             tables.append(s.block_ids)
@@ -282,6 +276,14 @@ class EagleProposer:
             extra_int64=[np.asarray(ids, dtype=np.int64), np.concatenate(sources), np.asarray(ks, dtype=np.int64)])
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
         return g[meta.query_start_loc[1:].long() - 1], meta, ks_d
+
+    def _sources(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
+        """The slots of the hidden states the head's entries [start, end) read: entry p reads the
+        target's at position p - 1 (position 0: the zero row past the slots)."""
+        bs = self.entries.block_size
+        prev = np.arange(start - 1, end - 1)
+        table = np.asarray(block_ids, dtype=np.int64)
+        return np.where(prev >= 0, table[prev // bs] * bs + prev % bs, self._hidden.shape[0] - 1)
 
     @property
     def _dtype(self) -> torch.dtype:
