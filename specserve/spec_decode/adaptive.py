@@ -411,6 +411,12 @@ def sampled_slots(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOut
     return slots, num_base
 
 
+def _next_base_tokens(sched: SchedulerOutput) -> int:
+    """Tokens the next step likely computes without drafts: one per sampling request, and a prefill
+    chunk's again (as `sampled_slots` counts them)."""
+    return sum(1 if s.sample else s.num_tokens for s in sched.scheduled)
+
+
 def step_tokens(sched: SchedulerOutput) -> tuple[int, int]:
     """(tokens the step computes besides drafts, drafts it verifies): what the guard times it under."""
     num_drafts = sum(len(s.spec_token_ids) for s in sched.scheduled)
@@ -427,7 +433,7 @@ def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
     """`Proposer.idle` for proposers driven by the policy: after this step (which verifies no drafts)
     no draft could pay off at this batch size, whatever it samples (the policy's cheap test)."""
     num_sampled = sum(1 for s in sched.scheduled if s.sample)
-    num_base = sum(1 if s.sample else s.num_tokens for s in sched.scheduled)  # as in sampled_slots
+    num_base = _next_base_tokens(sched)
     return (num_sampled == 0 or policy.probing() or policy.plans_nothing()
             or not policy.worth_trying(num_sampled, num_base))
 
@@ -455,23 +461,14 @@ def _give_ks(policy: AdaptiveK, slots: list[DraftSlot], num_base: int, max_num_b
     return slots
 
 
-def planned_on_device(policy: AdaptiveK, sched: SchedulerOutput, counts: dict[str, int], max_model_len: int,
-                      max_num_batched_tokens: int) -> list[DraftSlot]:
+def planned_on_device(policy: AdaptiveK, sched: SchedulerOutput, max_model_len: int, max_num_batched_tokens: int
+                      ) -> list[DraftSlot]:
     """`plan_step` for a step whose verification is still on the device (drafting on the device): every
-    request that samples (`counts`: req_id -> its logits rows, 1 + its drafts) gets its k before its
-    new tokens are known, with the room it would have after the fewest of them (one): the drafts are
-    cut to the real room later (`draft_room`). The step's verifications reach the policy later
-    (`observe`). Its `new_ids` stay empty."""
-    slots: list[DraftSlot] = []
-    num_base = 0
-    for s in sched.scheduled:
-        count = counts.get(s.request.request_id)
-        if count is None:
-            num_base += s.num_tokens  # a prefill chunk: the next step likely has one too
-            continue
-        num_base += 1
-        slots.append(DraftSlot(s, [], max(0, s.request.room(max_model_len, 1) - 1)))
-    return _give_ks(policy, slots, num_base, max_num_batched_tokens)
+    request that samples gets its k before its new tokens are known, with the room it would have
+    after the fewest of them (one): the drafts are cut to the real room later (`draft_room`). The
+    step's verifications reach the policy later (`observe`). Its `new_ids` stay empty."""
+    slots = [DraftSlot(s, [], max(0, s.request.room(max_model_len, 1) - 1)) for s in sched.scheduled if s.sample]
+    return _give_ks(policy, slots, _next_base_tokens(sched), max_num_batched_tokens)
 
 
 def draft_room(req: Request, new_ids: list[int], max_model_len: int) -> int:

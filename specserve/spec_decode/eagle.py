@@ -169,8 +169,7 @@ class EagleProposer:
         policy.step_finished(num_base, num_drafts, len(step.logits_rows), None)
         policy.proposals_made()  # this step drafts the next one's within its own time
         rows = {s.request.request_id: (i, first, count) for i, (s, first, count) in enumerate(step.logits_rows)}
-        slots = planned_on_device(policy, sched, {r: count for r, (_, _, count) in rows.items()},
-                                  self.max_model_len, self.max_num_batched_tokens)
+        slots = planned_on_device(policy, sched, self.max_model_len, self.max_num_batched_tokens)
         self._store(step.hidden, step.slot_mapping)
         bs, num_logits = self.entries.block_size, step.argmax.shape[0]
         chained: list[DraftSlot] = []
@@ -205,7 +204,7 @@ class EagleProposer:
             tables.append(s.block_ids)
             chained.append(slot)
             starts.append(start)
-        pending = DeviceDrafts(sched, slots, chained, starts, None)
+        pending = DeviceDrafts(sched, chained, starts, None)
         if not chained:
             return pending
         ks = [slot.k for slot in chained]
@@ -360,7 +359,6 @@ class DeviceDrafts:
     """`draft_on_device`'s work in flight: the plan, and the drafts [P, max k] still on the device."""
 
     sched: SchedulerOutput
-    slots: list[DraftSlot]  # every request that sampled, with its k (0: no drafts)
     chained: list[DraftSlot]  # those that draft, in the order of `tokens`' rows
     starts: list[int]  # per chained request: the first head entry its catch-up wrote
     tokens: torch.Tensor | None  # [len(chained), max k] int64
