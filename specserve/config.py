@@ -17,7 +17,8 @@ from specserve.quant.names import is_self_draft, parse_self_draft  # torch-free
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4")  # bitsandbytes: see quant/checkpoint.py
 LOAD_FORMATS = ("auto", "dummy")
-SPEC_METHODS = ("ngram", "draft_model", "eagle")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+EAGLE_METHODS = ("eagle", "eagle3")  # eagle3: a head that fuses several of the target's layers
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -98,9 +99,10 @@ class SchedulerConfig:
 
 @dataclass
 class SpecConfig:
-    """Speculative decoding: `method` is "ngram", "draft_model" (`model` names the draft) or "eagle"
+    """Speculative decoding: `method` is "ngram", "draft_model" (`model` names the draft), "eagle"
     (`model` names a draft head made by `specserve train-draft`; left out on the default model, the
-    head shipped for it). Left out, the method is inferred as vLLM does: "draft_model" when a
+    head shipped for it) or "eagle3" (the same, for a head that fuses several of the target's layers;
+    "eagle" loads those too). Left out, the method is inferred as vLLM does: "draft_model" when a
     `model` is given (an EAGLE head directory: "eagle"), else "ngram"."""
 
     method: str | None = None
@@ -123,10 +125,6 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method is None:
             self.method = ("eagle" if is_head_dir(self.model) else "draft_model") if self.model else "ngram"
-        if self.method == "eagle3":
-            raise ValueError("speculative method eagle3 (a head over several fused target layers) is not "
-                             "supported: specserve's heads read the target's last hidden state; use method eagle "
-                             "with a head from `specserve train-draft`")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not one of {', '.join(SPEC_METHODS)}")
         if self.method == "draft_model" and not self.model:
@@ -262,7 +260,7 @@ def build_spec_config(speculative_config: Any = None, draft_model: str | None = 
     if (parsed.method == "draft_model" and not is_self_draft(model) and parsed.load_format != "dummy"
             and not Path(model).exists() and not _looks_like_hub_id(model)):  # fail before loading anything
         raise ValueError(f"draft model not found: {model} (a HF model directory, a .gguf file or a hub id)")
-    if parsed.method == "eagle" and model and parsed.load_format != "dummy" and not is_head_dir(model):
+    if parsed.method in EAGLE_METHODS and model and parsed.load_format != "dummy" and not is_head_dir(model):
         raise ValueError(f"EAGLE head not found: {model} (a directory made by `specserve train-draft`)")
     return parsed
 

@@ -75,18 +75,27 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.backend: AttentionBackend | None = None  # set by the model runner
+        # decoder layers whose output (the residual stream after them) the forward also returns, for an
+        # EAGLE head that fuses several of the target's layers (set by the engine's builder)
+        self.aux_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size], or with
+        `aux_layers` [num_tokens, (1 + len(aux_layers)) * hidden_size]: the final hidden states, then
+        each aux layer's output in order (compute_logits reads the first hidden_size columns)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux = []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(positions, x, residual, kv_cache, meta, self.backend)
+            if i in self.aux_layers:
+                aux.append(x + residual)
         x, _ = self.norm(x, residual)
-        return x
+        return torch.cat([x, *aux], dim=-1) if aux else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden_size] -> fp32 logits [N, vocab_size]."""
+        """hidden: [N, hidden_size] (or a forward's wider rows with aux layers) -> fp32 logits [N, vocab_size]."""
+        hidden = hidden[:, :self.cfg.hidden_size]
         if self.lm_head is not None:  # a module: nn.Linear, or a quantized head (specserve.quant)
             return self.lm_head(hidden).float()
         return nn.functional.linear(hidden, self.embed_tokens.weight).float()

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from specserve.config import SpecConfig
+from specserve.config import EAGLE_METHODS, SpecConfig
 from specserve.models.loader import LoadedModel
 from specserve.spec_decode.adaptive import AdaptiveK
 from specserve.spec_decode.proposer import DraftStep, Proposer, ProposerBinding
@@ -66,7 +66,7 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
     # a draft model's or a head's estimates are per request: each leans on all requests' recent
     # acceptance (worth 16 tried drafts, against at most ~10 of a request's own at decay 0.8)
     policy.shared_prior, policy.prior_weight = True, 16.0
-    if spec.method == "eagle":
+    if spec.method in EAGLE_METHODS:
         return _eagle_proposer(spec, policy, target, device, max_positions, max_num_batched_tokens)
     from specserve.quant.self_draft import is_self_draft
     from specserve.spec_decode.draft_model import DraftModelProposer
@@ -106,13 +106,16 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
                     max_positions: int, max_num_batched_tokens: int) -> Proposer:
     """An EAGLE head: `spec.model`, or the one shipped for the default model; random weights with
     load_format dummy (benchmarks: the target's layer shape, a draft vocabulary of its first
-    min(32768, vocab) ids)."""
+    min(32768, vocab) ids; with method eagle3 fusing `default_aux_layers`). A head that fuses some of
+    the target's layers has the target's forward return their outputs too."""
     from specserve.spec_decode.eagle import EagleProposer
-    from specserve.spec_decode.eagle_head import EagleHead, head_config, load_head, shipped_head, target_weights
+    from specserve.spec_decode.eagle_head import (EagleHead, default_aux_layers, head_config, load_head,
+                                                  shipped_head, target_weights)
 
     if spec.load_format == "dummy":
         vocab = torch.arange(min(32768, target.arch.vocab_size))
-        head = EagleHead(head_config(target.arch), max_positions, vocab, target_name=target.path)
+        aux = default_aux_layers(target.arch.num_layers) if spec.method == "eagle3" else ()
+        head = EagleHead(head_config(target.arch), max_positions, vocab, target_name=target.path, aux_layers=aux)
         torch.manual_seed(0)
         for p in head.parameters():
             torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
@@ -122,6 +125,10 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
         path = spec.model or shipped_head(target.path)
         head = load_head(path, dtype=target.dtype, device=device, max_positions=max_positions)
     head.attach(*target_weights(target, device, target.dtype))  # whole tensors, also under tensor parallelism
+    if spec.method == "eagle3" and not head.aux_layers:
+        raise ValueError(f"speculative method eagle3 needs a head that fuses several of the target's layers; "
+                         f"{path} reads the last hidden state alone: use method eagle")
+    fuse_target_layers(target, head.aux_layers)
     policy.measure_draft_cost = spec.draft_cost is None
     policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else head.num_params / target.arch.num_params
     logger.info("EAGLE head %s: %.1fM params, draft vocabulary %d, draft step ~%.3f target steps", path,
@@ -129,3 +136,17 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
     return EagleProposer(head, policy, identity=(str(path), str(target.dtype)),
                          num_speculative_tokens=spec.num_speculative_tokens,
                          max_num_batched_tokens=max_num_batched_tokens)
+
+
+def fuse_target_layers(target: LoadedModel, aux_layers: tuple[int, ...]) -> None:
+    """Have the target's forward also return the outputs of `aux_layers` (an EAGLE head's fused
+    layers), or refuse a target that cannot."""
+    if not aux_layers:
+        return
+    model, num_layers = target.model, target.arch.num_layers
+    if max(aux_layers) >= num_layers:
+        raise ValueError(f"the EAGLE head fuses target layers {list(aux_layers)}, but the target has {num_layers}")
+    if not hasattr(model, "aux_layers"):
+        raise ValueError(f"an EAGLE head that fuses target layers needs a Llama-family target, not "
+                         f"{target.arch.architecture}")
+    model.aux_layers = tuple(aux_layers)

@@ -249,8 +249,9 @@ class EagleProposer:
         return drafts
 
     def _store(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """The step's hidden states [num_tokens, h] at its KV slots [num_tokens]."""
-        self._hidden.index_copy_(0, slot_mapping, hidden.to(self._hidden.dtype))
+        """The step's features at its KV slots [num_tokens]: the target's hidden states [num_tokens, h],
+        or the fused ones of a head over several layers (`EagleHead.features`)."""
+        self._hidden.index_copy_(0, slot_mapping, self.head.features(hidden.to(self._dtype)).to(self._hidden.dtype))
 
     def _catch_up(self, segments: list[tuple[DraftSlot, int, int]], ks: list[int]
                   ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:

@@ -12,6 +12,13 @@ verified up to the context's last token x_{L-1} (entry L-1 computed with the rea
 first draft d_1 comes from logits_{L-1}; entry L reads (d_1, g_{L-1}) -- the head's own output in
 place of the target's hidden state it does not have -- and gives d_2; and so on.
 
+Fused layers (EAGLE-3's feature fusion, `aux_layers`): a head may also read the outputs of some of
+the target's earlier decoder layers (the residual stream after them), which the target's forward
+returns beside its final hidden states. The head's input feature is then
+`f_j = fuse([h_j, norm_1(a1_j), norm_2(a2_j), ...])` in place of h_j (`features`: one linear map back
+to the hidden size, computed once per target position and kept per KV slot like h_j was); the head's
+own output still stands in for it when chaining. A head without aux layers reads h_j as is.
+
 Training (`train_forward`, specserve/spec_decode/train.py) runs the same entries densely over whole
 sequences, `depth` times: at depth d the hidden input is the head's depth d-1 output one position
 back, and the attention mask is exactly what chain step d sees at inference (the real entries up to
@@ -49,15 +56,23 @@ WEIGHTS = "model.safetensors"
 
 class EagleHead(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, draft_vocab: torch.Tensor,
-                 target_name: str = "") -> None:
+                 target_name: str = "", aux_layers: tuple[int, ...] = ()) -> None:
         """cfg: the head's layer shape (num_layers 1; hidden size = the target's); draft_vocab: [Vd]
-        target token ids, one per row of the head's LM head."""
+        target token ids, one per row of the head's LM head; aux_layers: the target's decoder layers
+        (0-based, ascending) whose outputs the head fuses with the final hidden state (none: it
+        reads the final hidden state alone)."""
         super().__init__()
         if cfg.num_layers != 1:
             raise ValueError(f"an EAGLE head has one decoder layer, this config has {cfg.num_layers}")
         self.cfg = cfg
         self.target_name = target_name
         h = cfg.hidden_size
+        self.aux_layers = tuple(int(i) for i in aux_layers)
+        if list(self.aux_layers) != sorted(set(self.aux_layers)) or any(i < 0 for i in self.aux_layers):
+            raise ValueError(f"an EAGLE head's aux layers must be distinct, ascending layer indices, got {aux_layers}")
+        if self.aux_layers:
+            self.fuse = nn.Linear((1 + len(self.aux_layers)) * h, h, bias=False)
+            self.aux_norms = nn.ModuleList(RMSNorm(h, cfg.rms_norm_eps) for _ in self.aux_layers)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -80,8 +95,9 @@ class EagleHead(nn.Module):
 
     @property
     def num_params(self) -> int:
-        """Weights one draft step reads: the layer, fc, the norms and the draft LM head rows."""
-        own = sum(p.numel() for p in self.parameters())
+        """Weights one draft step reads: the layer, fc, the norms and the draft LM head rows (not
+        `fuse`: it runs once per target position, when the step's features are stored)."""
+        own = sum(p.numel() for name, p in self.named_parameters() if not name.startswith(("fuse.", "aux_norms.")))
         return own + self.draft_vocab_size * self.cfg.hidden_size
 
     # -- the target's parts ----------------------------------------------------------------------
@@ -105,6 +121,23 @@ class EagleHead(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(input_ids, self._embed)
 
+    def features(self, target_out: torch.Tensor) -> torch.Tensor:
+        """The target's forward output [T, (1 + len(aux_layers)) * h] -> the head's input feature
+        [T, h] (with no aux layers, the final hidden state itself)."""
+        if not self.aux_layers:
+            return target_out
+        h = self.cfg.hidden_size
+        final, *aux = target_out.split(h, dim=-1)
+        return self.fuse(torch.cat([final, *(norm(a) for norm, a in zip(self.aux_norms, aux))], dim=-1))
+
+    def init_fuse_identity(self) -> None:
+        """fuse passes the final hidden state through and ignores the aux layers: the head then
+        computes what a head without them does (a start for training)."""
+        h = self.cfg.hidden_size
+        with torch.no_grad():
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, :h].copy_(torch.eye(h))
+
     # -- inference -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,7 +159,8 @@ class EagleHead(nn.Module):
     def train_forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, depth: int,
                       seq_lens: list[int] | None = None) -> list[torch.Tensor]:
         """Sequences packed end to end, densely, `depth` times (the training-time test). input_ids:
-        [N] tokens; target_hidden: [N, h], the target's hidden states at them; seq_lens: the
+        [N] tokens; target_hidden: [N, h] (or [N, (1 + len(aux_layers)) * h]), the target's forward
+        output at them; seq_lens: the
         sequences' lengths (None: one sequence of N). Returns per depth d the head's outputs [N, h];
         row j of a sequence at depth d predicts its x_{j+1} as chain step d does when it starts from
         the real entries up to j - d. One pass serves the whole batch: the operator count of a
@@ -136,7 +170,7 @@ class EagleHead(nn.Module):
         n = input_ids.shape[0]
         packing = _Packing(seq_lens or [n], input_ids.device)
         e = self.embed_norm(self.embed(input_ids))
-        hidden = packing.shift(target_hidden)
+        hidden = packing.shift(self.features(target_hidden))
         keys, values, outputs = [], [], []
         for _ in range(depth):
             x = self.fc(torch.cat([e, self.hidden_norm(hidden)], dim=-1))
@@ -265,6 +299,13 @@ def _chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers a fused head reads besides the final hidden state: an early one (the third)
+    and the middle one, as EAGLE-3 picks low and middle features (the final hidden state stands for
+    the high ones); never the last layer, whose output the final hidden state is."""
+    return tuple(sorted(i for i in {min(2, num_layers - 2), num_layers // 2} if 0 <= i < num_layers - 1))
+
+
 def head_config(target: ArchConfig, **overrides: Any) -> ArchConfig:
     """The head's layer shape: the target's decoder layer, one of it."""
     return dataclasses.replace(target, num_layers=1, raw={}, **overrides)
@@ -283,7 +324,7 @@ def save_head(head: EagleHead, out_dir: str | Path, extra: dict | None = None) -
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
         "max_position_embeddings": cfg.max_position_embeddings, "attention_bias": cfg.qkv_bias,
         "qk_norm": cfg.qk_norm, "target_vocab_size": cfg.vocab_size,
-        "draft_vocab_size": head.draft_vocab_size, **(extra or {}),
+        "draft_vocab_size": head.draft_vocab_size, "aux_layers": list(head.aux_layers), **(extra or {}),
     }
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in head.state_dict().items()}
     tensors["draft_vocab"] = head.draft_vocab.to("cpu", torch.int64).contiguous()
@@ -344,7 +385,13 @@ def load_head(path: str | Path, *, dtype: torch.dtype, device: torch.device, max
         raise ValueError(f"EAGLE head {path}: {WEIGHTS} has no draft_vocab id map")
     if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= cfg.vocab_size:
         raise ValueError(f"EAGLE head {path}: draft_vocab has ids outside the target vocabulary of {cfg.vocab_size}")
-    head = EagleHead(cfg, max_positions, draft_vocab, target_name=raw.get("target", ""))
+    aux = raw.get("aux_layers") or []
+    if not isinstance(aux, list) or not all(isinstance(i, int) for i in aux):
+        raise ValueError(f"{config_file}: aux_layers must be a list of layer indices, got {aux!r}")
+    try:
+        head = EagleHead(cfg, max_positions, draft_vocab, target_name=raw.get("target", ""), aux_layers=tuple(aux))
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
     try:
         head.load_state_dict(tensors, strict=True)
     except RuntimeError as e:

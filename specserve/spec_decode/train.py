@@ -33,8 +33,10 @@ import torch
 from torch import nn
 
 from specserve.spec_decode import train_data
-from specserve.spec_decode.eagle_head import (WEIGHTS, EagleHead, head_config, packed_positions, save_head,
-                                               target_weights)
+from specserve.config import is_head_dir
+from specserve.spec_decode import fuse_target_layers
+from specserve.spec_decode.eagle_head import (WEIGHTS, EagleHead, default_aux_layers, head_config, load_head,
+                                               packed_positions, save_head, target_weights)
 from specserve.spec_decode.train_eval import Acceptance, EvalSet, acceptance
 from specserve.spec_decode.train_target import REGENERATED_FILE, TargetFeatures, load_target, regenerate
 
@@ -49,7 +51,7 @@ INITS = ("last-layer", "random")
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # what a resumed run must share with the checkpoint for its data order and schedule to continue
 _RUN_OPTIONS = ("max_len", "max_conversations", "eval_conversations", "draft_vocab_size", "ttt_depth", "lr",
-                "warmup_steps", "batch_size", "epochs", "max_steps", "seed", "init", "regenerate",
+                "warmup_steps", "batch_size", "epochs", "max_steps", "seed", "init", "fuse_layers", "regenerate",
                 "regenerate_max_tokens")
 
 
@@ -74,7 +76,8 @@ class TrainConfig:
     eval_every: int = 100
     save_every: int = 200
     seed: int = 0
-    init: str = "last-layer"
+    init: str = "last-layer"  # or a head directory to start from
+    fuse_layers: str = "none"  # target layers the head fuses: none, auto, or "2,15"
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
@@ -98,8 +101,10 @@ class TrainConfig:
             raise ValueError("--lr and --max-minutes must be positive")
         if self.save_dtype not in SAVE_DTYPES:
             raise ValueError(f"--save-dtype {self.save_dtype!r}: choose {', '.join(SAVE_DTYPES)}")
-        if self.init not in INITS:
-            raise ValueError(f"--init {self.init!r}: choose {' or '.join(INITS)}")
+        if self.init not in INITS and not is_head_dir(self.init):
+            raise ValueError(f"--init {self.init!r}: choose {' or '.join(INITS)}, or give a head directory "
+                             "(made by `specserve train-draft`)")
+        parse_fuse_layers(self.fuse_layers, 1 << 30)  # the format; the range once the target is known
         if self.ttt_depth > 16:
             raise ValueError(f"--ttt-depth {self.ttt_depth}: at most 16 (the engine drafts at most 16 tokens)")
 
@@ -124,12 +129,17 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
     max_len = cfg.max_len or min(DEFAULT_MAX_LEN, loaded.arch.max_position_embeddings)
 
     data = _prepare_data(cfg, data_path, loaded, max_len, device, stream)
+    if cfg.init not in INITS:  # a head to start from brings its own draft vocabulary
+        data.draft_vocab = load_head(cfg.init, dtype=torch.float32, device=torch.device("cpu"),
+                                     max_positions=1).draft_vocab.tolist()
+        data.coverage = train_data.coverage(train_data.label_counts(data.train), data.draft_vocab)
     train_seqs, eval_seqs, draft_vocab, coverage = data.train, data.eval, data.draft_vocab, data.coverage
     identity = {"target": Path(loaded.path).name, "vocab_size": vocab_size, "hidden_size": loaded.arch.hidden_size,
                 "intermediate_size": loaded.arch.intermediate_size, "num_heads": loaded.arch.num_heads,
                 "draft_vocab_size": len(draft_vocab), "data": train_data.fingerprint(train_seqs)}
 
-    head = build_head(loaded, torch.tensor(draft_vocab), max_len, cfg.init, device, cfg.seed)
+    aux_layers = parse_fuse_layers(cfg.fuse_layers, loaded.arch.num_layers)
+    head = build_head(loaded, torch.tensor(draft_vocab), max_len, cfg.init, device, cfg.seed, aux_layers)
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
     total_steps = cfg.epochs * steps_per_epoch if cfg.max_steps is None else \
@@ -147,6 +157,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
             torch.cuda.set_rng_state(state["cuda_rng"], device)
         step, history, elapsed_before, batches = state["step"], state["history"], state["elapsed_s"], state["order"]
 
+    fuse_target_layers(loaded, head.aux_layers)
     features = TargetFeatures(loaded, device, max_len, torch.tensor(draft_vocab, device=device), cfg.batch_size)
     eval_set = EvalSet(eval_seqs, features) if eval_seqs else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -354,19 +365,53 @@ def learning_rate(step: int, peak: float, warmup: int, total: int, time_fraction
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def parse_fuse_layers(value: str, num_layers: int) -> tuple[int, ...]:
+    """--fuse-layers: none, auto (`default_aux_layers`) or comma-separated layer indices below the
+    target's last layer (its output is the final hidden state the head reads anyway)."""
+    if value == "none":
+        return ()
+    if value == "auto":
+        return default_aux_layers(num_layers)
+    try:
+        layers = tuple(sorted({int(x) for x in value.split(",")}))
+    except ValueError:
+        raise ValueError(f"--fuse-layers {value!r}: none, auto, or layer indices like 2,15") from None
+    if not layers or layers[0] < 0 or layers[-1] >= num_layers - 1:
+        raise ValueError(f"--fuse-layers {value!r}: layer indices from 0 to {num_layers - 2} (the target has "
+                         f"{num_layers} layers; the last one's output is the final hidden state)")
+    return layers
+
+
 def build_head(loaded, draft_vocab: torch.Tensor, max_len: int, init: str, device: torch.device,
-               seed: int) -> EagleHead:
+               seed: int, aux_layers: tuple[int, ...] = ()) -> EagleHead:
     """An fp32 head attached to the target. `last-layer`: the layer starts as a copy of the target's
     last decoder layer, fc passes the embedding through and ignores the hidden state, the final norm
     is the target's: a model that already predicts from the current token. `random`: PyTorch's
-    default initialisation."""
+    default initialisation. A head directory: its weights (and `draft_vocab`, which must be its
+    draft vocabulary). Fused layers (`aux_layers`) start ignored (`init_fuse_identity`) unless
+    that head fused the same ones."""
     torch.manual_seed(seed)
     target = loaded.model
     target.requires_grad_(False)
     with torch.device(device):
-        head = EagleHead(head_config(loaded.arch), max_len, draft_vocab, target_name=Path(loaded.path).name)
+        head = EagleHead(head_config(loaded.arch), max_len, draft_vocab, target_name=Path(loaded.path).name,
+                         aux_layers=aux_layers)
     head.float()
-    if init == "last-layer":
+    if aux_layers:
+        head.init_fuse_identity()
+    if init not in INITS:
+        start = load_head(init, dtype=torch.float32, device=device, max_positions=max_len)
+        if start.cfg.hidden_size != head.cfg.hidden_size or start.cfg.vocab_size != head.cfg.vocab_size:
+            raise ValueError(f"--init {init}: that head was trained for hidden size {start.cfg.hidden_size} and "
+                             f"{start.cfg.vocab_size} tokens, the target has {head.cfg.hidden_size} and "
+                             f"{head.cfg.vocab_size}")
+        weights = start.state_dict()
+        if start.aux_layers != head.aux_layers:  # fusing other layers: fuse starts afresh
+            weights = {k: v for k, v in weights.items() if not k.startswith(("fuse.", "aux_norms."))}
+        missing, unexpected = head.load_state_dict(weights, strict=False)
+        if unexpected or any(not k.startswith(("fuse.", "aux_norms.")) for k in missing):
+            raise ValueError(f"--init {init}: its weights do not fit this head ({missing + unexpected})")
+    elif init == "last-layer":
         with torch.no_grad():
             last = dict(target.layers[-1].named_parameters())
             for name, p in head.layers[0].named_parameters():

@@ -225,9 +225,13 @@ def draft_vocabulary(counts: Counter, size: int, vocab_size: int, eos_token_ids:
         if len(chosen) >= size:
             break
         chosen.add(t)
+    return sorted(chosen), coverage(counts, sorted(chosen))
+
+
+def coverage(counts: Counter, vocab: list[int]) -> float:
+    """The share of label tokens a draft vocabulary covers."""
     total = sum(counts.values())
-    coverage = sum(counts.get(t, 0) for t in chosen) / total if total else 0.0
-    return sorted(chosen), coverage
+    return sum(counts.get(t, 0) for t in set(vocab)) / total if total else 0.0
 
 
 def fingerprint(sequences: list[Sequence]) -> str:

@@ -39,9 +39,9 @@ def _hidden(target, ids: list[int]) -> torch.Tensor:
     return out.clone()
 
 
-def _random_head(target, seed: int = 0, scale: float = 0.2) -> EagleHead:
+def _random_head(target, seed: int = 0, scale: float = 0.2, aux_layers: tuple[int, ...] = ()) -> EagleHead:
     torch.manual_seed(seed)
-    head = EagleHead(head_config(target.arch), 512, torch.arange(target.arch.vocab_size))
+    head = EagleHead(head_config(target.arch), 512, torch.arange(target.arch.vocab_size), aux_layers=aux_layers)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0.0, scale) if p.dim() > 1 else p.normal_(1.0, 0.1)
@@ -61,17 +61,17 @@ def _greedy_sequences(target_dir, num: int, length: int, seed: int) -> list[list
     return [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)]
 
 
-@pytest.fixture(scope="session")
-def trained_head_dir(tiny_llama_dir, tmp_path_factory):
+def train_tiny_head(model_dir, out, aux_layers: tuple[int, ...] = ()):
     """A head trained briefly on the tiny target's own greedy text (the training-time test at
     depth 3): it agrees with the target often but not always."""
-    target = _target(tiny_llama_dir)
+    target = _target(model_dir)
+    target.model.aux_layers = aux_layers
     for p in target.model.parameters():
         p.requires_grad_(False)
-    seqs = _greedy_sequences(tiny_llama_dir, 24, 40, seed=1)
+    seqs = _greedy_sequences(model_dir, 24, 40, seed=1)
     data = [(torch.tensor(s), _hidden(target, s)) for s in seqs]
     labels = [target.model.compute_logits(h).argmax(-1) for _, h in data]
-    head = _random_head(target, seed=3, scale=0.05)
+    head = _random_head(target, seed=3, scale=0.05, aux_layers=aux_layers)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     for _ in range(6):
         for (ids, hidden), label in zip(data, labels):
@@ -81,8 +81,12 @@ def trained_head_dir(tiny_llama_dir, tmp_path_factory):
             opt.zero_grad()
             loss.backward()
             opt.step()
-    out = tmp_path_factory.mktemp("eagle-head")
     return save_head(head, out)
+
+
+@pytest.fixture(scope="session")
+def trained_head_dir(tiny_llama_dir, tmp_path_factory):
+    return train_tiny_head(tiny_llama_dir, tmp_path_factory.mktemp("eagle-head"))
 
 
 def eagle_config(head_dir, k: int, **extra) -> dict:
@@ -97,17 +101,21 @@ def generate(model_dir, args: str, params=GREEDY, **spec_args):
 
 
 # -- the training forward is chain drafting --------------------------------------------------------
-def test_train_forward_is_chain_drafting(tiny_llama_dir):
+@pytest.mark.parametrize("aux_layers", [(), (0,)], ids=["last-hidden", "fused"])
+def test_train_forward_is_chain_drafting(tiny_llama_dir, aux_layers):
     """Row j at depth d of `train_forward` equals what the paged head computes when a chain starts
-    from the real entries up to j - d and feeds its own outputs d times (tokens teacher-forced)."""
+    from the real entries up to j - d and feeds its own outputs d times (tokens teacher-forced);
+    a fused head's entries read the features the engine stores per slot."""
     target = _target(tiny_llama_dir)
-    head = _random_head(target)
+    target.model.aux_layers = aux_layers
+    head = _random_head(target, aux_layers=aux_layers)
     ids = [5, 17, 33, 8, 91, 240, 12, 7, 64, 100, 3, 55, 19, 250]
     hidden = _hidden(target, ids)
     depth = 4
     with torch.no_grad():
         dense = head.train_forward(torch.tensor(ids), hidden, depth)
-    shifted = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+        features = head.features(hidden)
+    shifted = torch.cat([torch.zeros_like(features[:1]), features[:-1]])
     for m in (0, 3, 8):
         ex = _executor(head)
         table = [list(range(ex.kv_cache.shape[2]))]
@@ -408,7 +416,7 @@ def test_bad_head_directories_are_refused(tiny_llama_dir, trained_head_dir, tmp_
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="do not match its config"):
         load_head(broken, dtype=torch.float32, device=CPU, max_positions=64)
-    with pytest.raises(ValueError, match="eagle3"):
+    with pytest.raises(ValueError, match="eagle3 needs a head that fuses several of the target's layers"):
         LLM(str(tiny_llama_dir), device="cpu", speculative_config={"method": "eagle3", "model": str(trained_head_dir)})
 
 

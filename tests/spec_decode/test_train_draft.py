@@ -334,3 +334,50 @@ def test_a_packed_step_is_the_mean_over_its_sequences(chat_target):
         counts = [sum(int(s.labels[d:].sum()) for s in seqs) for d in range(DEPTH)]
         expected = sum(0.8 ** d * sums[d] / counts[d] for d in range(DEPTH))
         assert float(batch_loss(head, ids, hidden, logp, seqs, DEPTH)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_fused_head_starts_from_a_trained_head(trained, chat_target, chat_data, tmp_path):
+    """--init HEAD_DIR --fuse-layers auto: the new head starts as that head (the same outputs over
+    the same text, its draft vocabulary), fuses layer 0 once trained, and serves with method eagle3."""
+    from specserve import LLM, SamplingParams
+    from specserve.spec_decode import fuse_target_layers
+
+    cfg, _ = trained
+    cpu = torch.device("cpu")
+    loaded = load_model(str(chat_target), device=cpu, dtype="float32")
+    plain = load_head(cfg.out, dtype=torch.float32, device=cpu, max_positions=64)
+    plain.attach(*target_weights(loaded, cpu, torch.float32))
+    start = build_head(loaded, plain.draft_vocab, 64, cfg.out, cpu, 0, aux_layers=(0,))
+    [seq] = train_data.render_all(loaded.tokenizer, train_data.read_conversations(Path(cfg.data))[-1:], 64)
+    ids, hidden, _ = TargetFeatures(loaded, cpu, 64, plain.draft_vocab).labelled(seq)
+    fuse_target_layers(loaded, (0,))
+    _, wide, _ = TargetFeatures(loaded, cpu, 64, plain.draft_vocab).labelled(seq)
+    assert wide.shape[1] == 2 * hidden.shape[1]
+    with torch.no_grad():
+        for a, b in zip(start.train_forward(ids, wide, DEPTH), plain.train_forward(ids, hidden, DEPTH)):
+            torch.testing.assert_close(a, b)
+
+    out = tmp_path / "fused"
+    summary = train(_config(chat_target, chat_data, out, init=str(cfg.out), fuse_layers="auto", max_steps=3),
+                    stream=io.StringIO())
+    assert summary["steps"] == 3 and summary["options"]["fuse_layers"] == "auto"
+    assert json.loads((out / "config.json").read_text())["aux_layers"] == [0]
+    fused = load_head(out, dtype=torch.float32, device=cpu, max_positions=64)
+    assert fused.aux_layers == (0,) and torch.equal(fused.draft_vocab, plain.draft_vocab)
+    assert fused.fuse.weight[:, hidden.shape[1]:].abs().max() > 0, "the fused layer was not trained"
+    prompts = [{"prompt_token_ids": [int(t) for t in seq.token_ids[:12]]}]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = LLM(str(chat_target), dtype="float32", device="cpu").generate(prompts, params)[0].outputs[0].token_ids
+    llm = LLM(str(chat_target), dtype="float32", device="cpu", speculative_config={
+        "method": "eagle3", "model": str(out), "num_speculative_tokens": 3, "adaptive": False})
+    assert llm.generate(prompts, params)[0].outputs[0].token_ids == want
+    assert llm.engine.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_bad_fuse_and_init_options_give_clear_errors(chat_target, chat_data, tmp_path):
+    cases = [({"fuse_layers": "1"}, "layer indices from 0 to 0 \\(the target has 2 layers"),
+             ({"fuse_layers": "x"}, "none, auto, or layer indices"),
+             ({"init": str(tmp_path / "nope")}, "or give a head directory")]
+    for overrides, message in cases:
+        with pytest.raises(ValueError, match=message):
+            train(_config(chat_target, chat_data, tmp_path / "out", **overrides), stream=io.StringIO())
