@@ -184,7 +184,9 @@ def configs(args) -> list[tuple[str, dict | None]]:
         return out
     out = [("none", None)]
     if args.eagle:  # a random head of the target's shape, accepting at the given rate per position
-        out.append(("eagle sim", dict(base, method="eagle", load_format="dummy",
+        # --eagle dummy3: a head that fuses target layers (method eagle3), priced as such
+        method = "eagle3" if args.eagle == "dummy3" else "eagle"
+        out.append(("eagle sim", dict(base, method=method, load_format="dummy",
                                       simulated_acceptance=args.eagle_acceptance)))
         if args.host_drafting:
             out.append(("eagle sim host", out[-1][1]))
@@ -293,7 +295,7 @@ def main() -> int:
     ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")
     ap.add_argument("--simulated-acceptance", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--eagle", default=None, help="an EAGLE head directory (with dummy weights: any value, "
-                    "a random head accepting at --eagle-acceptance)")
+                    "a random head accepting at --eagle-acceptance; dummy3: one that fuses target layers)")
     ap.add_argument("--eagle-acceptance", type=float, nargs="+", default=[0.8],
                     help="dummy weights: the head's acceptance rate per draft position (BENCHMARK-ONLY replay)")
     ap.add_argument("--no-ngram", action="store_true", help="leave the n-gram setup out")

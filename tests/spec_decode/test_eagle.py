@@ -84,11 +84,6 @@ def train_tiny_head(model_dir, out, aux_layers: tuple[int, ...] = ()):
     return save_head(head, out)
 
 
-@pytest.fixture(scope="session")
-def trained_head_dir(tiny_llama_dir, tmp_path_factory):
-    return train_tiny_head(tiny_llama_dir, tmp_path_factory.mktemp("eagle-head"))
-
-
 def eagle_config(head_dir, k: int, **extra) -> dict:
     return dict(method="eagle", model=str(head_dir), num_speculative_tokens=k, **{"adaptive": False, **extra})
 
@@ -313,13 +308,15 @@ def test_a_prefix_hit_drafts_as_without_the_cache(tiny_llama_dir, trained_head_d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, trained_head_dir):
+@pytest.mark.parametrize("head", ["trained_head_dir", "fused_head_dir"])
+def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, request):
     """On a GPU (triton backend): the greedy chain replayed from one CUDA graph per (batch, k) drafts
     what the eager chain drafts, drafting on the device what the host path drafts (same acceptance,
-    fp32), and output is the torch backend's."""
+    fp32), and output is the torch backend's; also with a head that fuses target layers (the
+    target's graphs return them)."""
     prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
     args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
-                max_num_batched_tokens=64, speculative_config=eagle_config(trained_head_dir, 3))
+                max_num_batched_tokens=64, speculative_config=eagle_config(request.getfixturevalue(head), 3))
     runs = {}
     backends = {"torch": dict(attention_backend="torch"), "eager": dict(attention_backend="triton", enforce_eager=True),
                 "graph": dict(attention_backend="triton"), "host": dict(attention_backend="triton")}

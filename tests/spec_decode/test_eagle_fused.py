@@ -12,16 +12,10 @@ import torch
 
 from specserve import LLM
 from specserve.spec_decode.eagle_head import default_aux_layers, load_head, target_weights
-from tests.spec_decode.test_eagle import (_hidden, _random_head, _run_on_device, _target, eagle_config,
-                                          train_tiny_head)
+from tests.spec_decode.test_eagle import _hidden, _random_head, _run_on_device, _target, eagle_config
 from tests.spec_decode.test_greedy_identity import reference
 
 IDS = [5, 17, 33, 8, 91, 240, 12, 7, 64, 100, 3, 55, 19, 250]
-
-
-@pytest.fixture(scope="module")
-def fused_head_dir(tiny_llama_dir, tmp_path_factory):
-    return train_tiny_head(tiny_llama_dir, tmp_path_factory.mktemp("fused-head"), aux_layers=(0,))
 
 
 def test_the_target_returns_its_layers_outputs_as_hf_does(tiny_llama_dir):
