@@ -82,7 +82,8 @@ def _add_train_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init", help="last-layer (default: the head's layer starts as the target's last one), "
                    "random, or a head directory to start from (its weights and draft vocabulary)")
     p.add_argument("--fuse-layers", help="target layers the head fuses with the final hidden state "
-                   "(EAGLE-3): none (default), auto (an early and the middle layer), or indices like 2,15")
+                   "(EAGLE-3): auto (default: the third and the middle layer, on Llama-family targets), none, or "
+                   "indices like 2,15")
     p.add_argument("--device", help="auto (default: cuda if present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the target's dtype (default auto); the head learns in fp32 (bf16 autocast on CUDA)")

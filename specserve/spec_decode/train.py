@@ -77,7 +77,7 @@ class TrainConfig:
     save_every: int = 200
     seed: int = 0
     init: str = "last-layer"  # or a head directory to start from
-    fuse_layers: str = "none"  # target layers the head fuses: none, auto, or "2,15"
+    fuse_layers: str = "auto"  # target layers the head fuses: auto (where the target can), none, or "2,15"
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
@@ -139,6 +139,10 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
                 "draft_vocab_size": len(draft_vocab), "data": train_data.fingerprint(train_seqs)}
 
     aux_layers = parse_fuse_layers(cfg.fuse_layers, loaded.arch.num_layers)
+    if cfg.fuse_layers == "auto" and not hasattr(loaded.model, "aux_layers"):
+        aux_layers = ()  # not a Llama-family target: the head reads its final hidden state alone
+        print(f"train-draft: {loaded.arch.architecture} cannot return its layers' outputs: the head reads "
+              "the final hidden state alone (--fuse-layers none)", file=stream, flush=True)
     head = build_head(loaded, torch.tensor(draft_vocab), max_len, cfg.init, device, cfg.seed, aux_layers)
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
@@ -455,7 +459,8 @@ def _check_resume(state: dict, identity: dict, cfg: TrainConfig, out: Path) -> N
     if theirs.get("data") != identity["data"]:
         raise ValueError(f"--resume: the checkpoint in {out} was trained on other data (or other --max-len / "
                          "--max-conversations): the data order would not continue")
-    changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (checkpoint: {v})" for k, v in state["options"].items()
+    options = {"fuse_layers": "none", **state["options"]}  # checkpoints from before fused heads fused none
+    changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (checkpoint: {v})" for k, v in options.items()
                if getattr(cfg, k) != v]
     if changed:
         raise ValueError(f"--resume continues the same run; these options differ from the checkpoint's: "

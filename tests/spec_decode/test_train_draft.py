@@ -59,7 +59,7 @@ def chat_data(tmp_path_factory) -> Path:
 
 def _config(target: Path, data: Path, out: Path, **overrides) -> TrainConfig:
     options = dict(max_len=64, eval_conversations=4, batch_size=2, max_steps=5, ttt_depth=DEPTH, lr=3e-3,
-                   eval_every=2, save_every=2, device="cpu", seed=3, save_dtype="float32")
+                   eval_every=2, save_every=2, device="cpu", seed=3, save_dtype="float32", fuse_layers="none")
     return TrainConfig(str(target), str(data), str(out), **{**options, **overrides})
 
 
@@ -229,6 +229,8 @@ def test_cli_trains_and_prints_progress(chat_target, chat_data, tmp_path, capsys
     assert summary["steps"] == 2
     weights = load_file(str(out / "model.safetensors"))  # the default: the head's weights in bf16
     assert weights["fc.weight"].dtype == torch.bfloat16 and weights["draft_vocab"].dtype == torch.int64
+    # the default fuses the target's layers (auto: layer 0 of the two-layer target)
+    assert json.loads((out / "config.json").read_text())["aux_layers"] == [0] and "fuse.weight" in weights
     assert main(cmd[3:5] + ["--data", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x")]) == 2
     assert "specserve: error: data file not found" in capsys.readouterr().err
 
@@ -381,3 +383,18 @@ def test_bad_fuse_and_init_options_give_clear_errors(chat_target, chat_data, tmp
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message):
             train(_config(chat_target, chat_data, tmp_path / "out", **overrides), stream=io.StringIO())
+
+
+def test_a_checkpoint_from_before_fused_heads_resumes_unfused(trained, chat_target, chat_data, tmp_path):
+    """A checkpoint whose options predate --fuse-layers fused none: resuming it under the default
+    (auto) is refused by name; with --fuse-layers none it continues."""
+    cfg, _ = trained
+    old = tmp_path / "old"
+    shutil.copytree(cfg.out, old)
+    state = torch.load(old / STATE_FILE, weights_only=False)
+    del state["options"]["fuse_layers"]
+    state["step"] = 4
+    torch.save(state, old / STATE_FILE)
+    with pytest.raises(ValueError, match="--fuse-layers auto \\(checkpoint: none\\)"):
+        train(_config(chat_target, chat_data, old, resume=True, fuse_layers="auto"), stream=io.StringIO())
+    assert train(_config(chat_target, chat_data, old, resume=True), stream=io.StringIO())["steps"] == 5
