@@ -189,9 +189,11 @@ def test_workers_exit_when_rank0_is_killed(tiny_qwen2_dir):
             proc.kill()
 
 
-def test_eagle_head_under_tensor_parallelism(qwen2_dir, tmp_path):
+@pytest.mark.parametrize("aux_layers", [(), (0,)], ids=["last-hidden", "fused"])
+def test_eagle_head_under_tensor_parallelism(qwen2_dir, tmp_path, aux_layers):
     """An EAGLE head runs whole on rank 0 over a target split 2 ways (its embedding and untied, padded
-    LM head are read back whole from the checkpoint): the output equals TP=1's, drafts verified."""
+    LM head are read back whole from the checkpoint): the output equals TP=1's, drafts verified; a
+    head that fuses a target layer reads it from rank 0's forward."""
     import torch
 
     from specserve.models.registry import load_arch_config
@@ -199,7 +201,7 @@ def test_eagle_head_under_tensor_parallelism(qwen2_dir, tmp_path):
 
     arch = load_arch_config(qwen2_dir / "config.json")
     torch.manual_seed(0)
-    head = EagleHead(head_config(arch), 512, torch.arange(arch.vocab_size))
+    head = EagleHead(head_config(arch), 512, torch.arange(arch.vocab_size), aux_layers=aux_layers)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0.0, 0.2) if p.dim() > 1 else p.normal_(1.0, 0.1)
