@@ -52,6 +52,7 @@ from specserve.models.registry import ArchConfig
 
 ARCHITECTURE = EAGLE_HEAD_ARCHITECTURE
 WEIGHTS = "model.safetensors"
+FUSE_PARAMS = ("fuse.", "aux_norms.")  # the weights of a head's fused layers (state-dict name prefixes)
 
 
 class EagleHead(nn.Module):
@@ -97,7 +98,7 @@ class EagleHead(nn.Module):
     def num_params(self) -> int:
         """Weights one draft step reads: the layer, fc, the norms and the draft LM head rows (not
         `fuse`: it runs once per target position, when the step's features are stored)."""
-        own = sum(p.numel() for name, p in self.named_parameters() if not name.startswith(("fuse.", "aux_norms.")))
+        own = sum(p.numel() for name, p in self.named_parameters() if not name.startswith(FUSE_PARAMS))
         return own + self.draft_vocab_size * self.cfg.hidden_size
 
     # -- the target's parts ----------------------------------------------------------------------

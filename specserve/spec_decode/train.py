@@ -35,8 +35,8 @@ from torch import nn
 from specserve.spec_decode import train_data
 from specserve.config import is_head_dir
 from specserve.spec_decode import fuse_target_layers
-from specserve.spec_decode.eagle_head import (WEIGHTS, EagleHead, default_aux_layers, head_config, load_head,
-                                               packed_positions, save_head, target_weights)
+from specserve.spec_decode.eagle_head import (FUSE_PARAMS, WEIGHTS, EagleHead, default_aux_layers, head_config,
+                                               load_head, packed_positions, save_head, target_weights)
 from specserve.spec_decode.train_eval import Acceptance, EvalSet, acceptance
 from specserve.spec_decode.train_target import REGENERATED_FILE, TargetFeatures, load_target, regenerate
 
@@ -128,6 +128,15 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
     vocab_size = loaded.arch.vocab_size
     max_len = cfg.max_len or min(DEFAULT_MAX_LEN, loaded.arch.max_position_embeddings)
 
+    # the layers the head fuses, checked against the target before the data is prepared (which may
+    # take the target minutes to answer with --regenerate)
+    aux_layers = parse_fuse_layers(cfg.fuse_layers, loaded.arch.num_layers)
+    if cfg.fuse_layers == "auto" and not hasattr(loaded.model, "aux_layers"):
+        aux_layers = ()  # not a Llama-family target: the head reads its final hidden state alone
+        print(f"train-draft: {loaded.arch.architecture} cannot return its layers' outputs: the head reads "
+              "the final hidden state alone (--fuse-layers none)", file=stream, flush=True)
+    fuse_target_layers(loaded, aux_layers)
+
     data = _prepare_data(cfg, data_path, loaded, max_len, device, stream)
     if cfg.init not in INITS:  # a head to start from brings its own draft vocabulary
         data.draft_vocab = load_head(cfg.init, dtype=torch.float32, device=torch.device("cpu"),
@@ -138,11 +147,6 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
                 "intermediate_size": loaded.arch.intermediate_size, "num_heads": loaded.arch.num_heads,
                 "draft_vocab_size": len(draft_vocab), "data": train_data.fingerprint(train_seqs)}
 
-    aux_layers = parse_fuse_layers(cfg.fuse_layers, loaded.arch.num_layers)
-    if cfg.fuse_layers == "auto" and not hasattr(loaded.model, "aux_layers"):
-        aux_layers = ()  # not a Llama-family target: the head reads its final hidden state alone
-        print(f"train-draft: {loaded.arch.architecture} cannot return its layers' outputs: the head reads "
-              "the final hidden state alone (--fuse-layers none)", file=stream, flush=True)
     head = build_head(loaded, torch.tensor(draft_vocab), max_len, cfg.init, device, cfg.seed, aux_layers)
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
@@ -161,7 +165,6 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
             torch.cuda.set_rng_state(state["cuda_rng"], device)
         step, history, elapsed_before, batches = state["step"], state["history"], state["elapsed_s"], state["order"]
 
-    fuse_target_layers(loaded, head.aux_layers)
     features = TargetFeatures(loaded, device, max_len, torch.tensor(draft_vocab, device=device), cfg.batch_size)
     eval_set = EvalSet(eval_seqs, features) if eval_seqs else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -411,9 +414,9 @@ def build_head(loaded, draft_vocab: torch.Tensor, max_len: int, init: str, devic
                              f"{head.cfg.vocab_size}")
         weights = start.state_dict()
         if start.aux_layers != head.aux_layers:  # fusing other layers: fuse starts afresh
-            weights = {k: v for k, v in weights.items() if not k.startswith(("fuse.", "aux_norms."))}
+            weights = {k: v for k, v in weights.items() if not k.startswith(FUSE_PARAMS)}
         missing, unexpected = head.load_state_dict(weights, strict=False)
-        if unexpected or any(not k.startswith(("fuse.", "aux_norms.")) for k in missing):
+        if unexpected or any(not k.startswith(FUSE_PARAMS) for k in missing):
             raise ValueError(f"--init {init}: its weights do not fit this head ({missing + unexpected})")
     elif init == "last-layer":
         with torch.no_grad():
