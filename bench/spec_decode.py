@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import platform
 import random
@@ -47,13 +48,16 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
                          "included, in one code block.\n\n")
 
 
-def requests_per_level(c: int, base: int) -> int:
-    return max(base, c) if c < 16 else c
+def requests_per_level(c: int, base: int, waves: int = 1) -> int:
+    """Requests run at concurrency c: at least `base` below 16, `waves` x c from 16 (one wave ends in a
+    tail where fewer than c are in flight: speculation, finishing requests at different steps, has one
+    where plain decoding, all at the same step, has none; more waves make it a smaller share)."""
+    return max(base, c) if c < 16 else waves * c
 
 
 def load_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
     """Prompt token ids per dataset, enough for every level (disjoint slices per level)."""
-    need = sum(requests_per_level(c, args.min_requests) for c in args.concurrency)
+    need = sum(requests_per_level(c, args.min_requests, args.waves) for c in args.concurrency)
     if args.load_format == "dummy":  # no tokenizer: random ids, fixed length
         rng = random.Random(0)
         return {"random": [[rng.randrange(10, 32000) for _ in range(args.prompt_len)] for _ in range(need)]}
@@ -286,6 +290,9 @@ def main() -> int:
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "sharegpt"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--min-requests", type=int, default=8, help="requests per level below c=16")
+    ap.add_argument("--waves", type=int, default=1, help="requests per level from c=16: this many x c")
+    ap.add_argument("--policy-trace", default=None,
+                    help="write adaptive k's trace (a line per plan and per judged step) to this file")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128, help="dummy weights: random prompt length")
     ap.add_argument("--max-prompt-len", type=int, default=256)
@@ -316,6 +323,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.policy_trace:
+        trace = logging.getLogger("specserve.spec_decode.adaptive")
+        trace.addHandler(logging.FileHandler(args.policy_trace, mode="w"))
+        trace.setLevel(logging.DEBUG)
 
     dummy = args.load_format == "dummy"
     max_len = (args.prompt_len if dummy else args.max_prompt_len) + args.max_tokens + 64
@@ -344,14 +355,18 @@ def main() -> int:
         gc.collect()
         setups = build_setups(args, group, engine_args)
         for s in setups:
-            costs = getattr(getattr(s.proposer, "policy", None), "costs", None)
+            policy = getattr(s.proposer, "policy", None)
+            costs = getattr(policy, "costs", None)
             if costs is not None and costs.table:
                 results.setdefault("step_costs", {})[s.name] = costs.table
+            if policy is not None and policy.draft_cost:  # a draft step, in one-request target steps
+                results.setdefault("draft_cost", {})[s.name] = round(policy.draft_cost, 4)
+                print(f"{s.name}: a draft step costs {policy.draft_cost:.4f} target steps", flush=True)
         prompts = prompts or load_prompts(args, setups[0].llm.tokenizer)
         for dataset, ids in prompts.items():
             offset = 0
             for c in args.concurrency:
-                n = requests_per_level(c, args.min_requests)
+                n = requests_per_level(c, args.min_requests, args.waves)
                 level_prompts, offset = ids[offset:offset + n], offset + n
                 for llm in {id(s.llm): s.llm for s in setups}.values():
                     # with the engine's own proposer: a draft model must see (write KV for) the prompts

@@ -22,6 +22,18 @@ logger = logging.getLogger(__name__)
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
+    """Seconds one replay of a captured graph takes (its device time: the best of `reps`, each waited for)."""
+    best = float("inf")
+    for _ in range(reps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], device: torch.device, block_size: int,
                  max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...] = (1,)) -> None:

@@ -29,6 +29,7 @@ and what a drafting step costs beyond the model (`step_overhead`) is measured an
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from specserve.engine.request import Request
     from specserve.spec_decode.proposer import ProposerBinding
 
+logger = logging.getLogger(__name__)  # DEBUG: one line per judged step and per plan (the policy's trace)
 
 @dataclass(slots=True)
 class _Estimate:
@@ -94,6 +96,7 @@ class AdaptiveK:
         # the last plan: the accepted tokens the model expects of its drafts (before the guard's
         # scaling), and its step's modelled cost over the plain step's
         self._predicted_accepted, self._cost_ratio = 0.0, 1.0
+        self._plan_overhead = 0.0  # the `step_overhead` it was priced with
         # async scheduling (set by the proposer's bind): a step without drafts may run deferred
         # (`step_skipped`), overlapped with the host's work on the next one, which makes it cheaper
         # than the same step run synchronously. Then the plain-step time the guard judges drafting
@@ -122,7 +125,38 @@ class AdaptiveK:
         self.replan_every = 32
         self._skips_since_plan = 0
         self._empty_plans = 0
+        # Spells: runs of plans that draft. Starting one costs a synchronous step (and, for a head, a
+        # catch-up over every position since its last run), so a spell starts only if its drafts beat
+        # the plain step by `margin`, and goes on while they beat it at all (`stay_margin`): estimates
+        # near the bar would otherwise flip drafting on and off, paying each start. How recent
+        # drafting steps fared against the plain step (realized speedup - 1, the steps that started
+        # spells included) is kept per batch-size bucket; a spell that ends on a loss doubles the wait
+        # before that bucket plans again (`backoff`: 16, 32, .. 8 << max_backoff steps), one that ends
+        # on a gain resets it. Retries of drafts that lose thus cost a vanishing share of the steps.
+        self.stay_margin = -0.1
+        self.max_backoff = 6
+        self._spell = 0  # plans in a row that drafted
+        self._spell_bucket = 0  # the batch-size bucket of its last plan
+        self._realized: dict[int, float] = {}  # batch bucket -> recent realized speedup - 1 (EMA)
+        self._backoff: dict[int, int] = {}  # batch bucket -> spells in a row that ended on a loss
         self._est: dict[str, _Estimate] = {}
+
+    def forget_measurements(self) -> None:
+        """Drop what steps have taught (times, acceptance, spells; not the cost table): after the
+        engine's warm-up, whose steps compile kernels and whose acceptance is no user's."""
+        g = self.guard
+        self.guard = RealizedGain(decay=g.decay, unit_decay=g.unit_decay, prior_steps=g.prior_steps,
+                                  max_age=g.max_age)
+        self._est.clear()
+        self._pool = _Estimate()
+        self.step_overhead = 0.0
+        self._pending, self._t_verified, self._skipped = None, None, None
+        self._propose_seconds = self._carried_seconds = 0.0
+        self._timing = self._after_skip = self._skipping = False
+        self._probe_left = self._skips_since_plan = self._empty_plans = self._spell = 0
+        self._plan_steps = -1
+        self._realized.clear()
+        self._backoff.clear()
 
     def acceptance(self, key: Hashable) -> float:
         """Estimated probability that a draft token under `key` is accepted (the previous one was)."""
@@ -190,9 +224,13 @@ class AdaptiveK:
         self._skips_since_plan += 1
         self._timing = False
 
-    def plans_nothing(self) -> bool:
-        """Did the last plan give no drafts (and is it recent enough to go by without planning)?"""
+    def plans_nothing(self, num_sampled: int = 0) -> bool:
+        """Did the last plan give no drafts (and is it recent enough to go by without planning, for a
+        batch of `num_sampled` sampling requests)?"""
         wait = min(self.replan_every, 4 << min(self._empty_plans, 8))
+        backoff = self._backoff.get(_bucket(num_sampled), 0)
+        if backoff:
+            wait = max(wait, 8 << backoff)
         return self._plan_steps == 0 and self._skips_since_plan < wait
 
     def probing(self) -> bool:
@@ -217,7 +255,8 @@ class AdaptiveK:
         assert self.shared_prior or num_accepted is not None, "n-gram estimates need the accepted count"
         accepted = predicted if self.shared_prior else num_accepted
         self._pending = (num_base_tokens, num_draft_tokens, num_sampled, accepted, predicted, self._cost_ratio,
-                         max(self._plan_steps, 0), self._start, self._carried_seconds)
+                         self._plan_overhead, max(self._plan_steps, 0), num_accepted is None, self._start,
+                         self._carried_seconds)
 
     def proposals_made(self) -> None:
         """The proposer's work after `step_finished` is done (its catch-up, lookups and the next
@@ -227,17 +266,55 @@ class AdaptiveK:
             self._t_verified = None
 
     def _judge(self, seconds: float, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
-               num_accepted: float, predicted: float, cost_ratio: float, num_draft_steps: int) -> None:
-        """A synchronous step took `seconds`: to the guard (and a drafting step's to `step_overhead`)."""
+               num_accepted: float, predicted: float, cost_ratio: float, plan_overhead: float,
+               num_draft_steps: int, on_device: bool) -> None:
+        """A synchronous step took `seconds`: to the guard (and a drafting step's to `step_overhead`).
+        `self._plan_steps` is still the plan made during this step (its drafts for the next one)."""
+        made_drafts = self._plan_steps > 0
         if num_draft_tokens == 0 and self.async_steps and not self.probing():
             # a plain step run synchronously costs more than one left in flight: not the reference
-            # (unless a probe step could not be deferred: requests with penalties, grammars, ...)
+            # (unless a probe step could not be deferred: requests with penalties, grammars, ...);
+            # one that started a spell is what starting it cost
+            unit = self.guard.plain_unit(num_base_tokens)
+            if made_drafts and unit is not None and seconds > 0:
+                self._fared(num_sampled, unit * self.costs(num_base_tokens) / seconds)
+            self.guard.tick()
+            return
+        if num_draft_tokens and on_device and not made_drafts:
+            # drafting on the device, a step's time includes drafting for the next one: the last
+            # step of a spell did not, so it is cheaper than the spell's steps were
             self.guard.tick()
             return
         if num_draft_tokens:
             self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, seconds)
-        self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled, num_accepted,
-                           num_draft_tokens, predicted, cost_ratio)
+            # the guard's trust is for what the cost model, with the overhead learned since the plan,
+            # does not explain: the overhead alone prices a drafting step's extra time
+            cost_ratio += (self.step_overhead - plan_overhead) / self.costs(num_base_tokens)
+        speedup = self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled,
+                                     num_accepted, num_draft_tokens, predicted, cost_ratio)
+        if speedup is not None:
+            self._fared(num_sampled, speedup)
+        if logger.isEnabledFor(logging.DEBUG):
+            unit = self.guard.plain_unit(num_base_tokens)
+            logger.debug("step %d: base %d drafts %d steps %d took %.3f ms = %s plain; overhead %.2f trust %.2f"
+                         " speedup %s", self.guard.num_steps, num_base_tokens, num_draft_tokens, num_draft_steps,
+                         seconds * 1e3, f"{seconds / unit:.2f}" if unit else "?", self.step_overhead,
+                         self.guard.trust(num_base_tokens), f"{speedup:.2f}" if speedup else "?")
+
+    def _fared(self, num_sampled: int, speedup: float) -> None:
+        """A step of a spell (or one that started it) ran at `speedup` x the plain step's throughput."""
+        bucket = _bucket(num_sampled)
+        self._realized[bucket] = 0.7 * self._realized.get(bucket, 0.0) + 0.3 * (speedup - 1.0)
+
+    def _end_spell(self, num_sampled: int) -> None:
+        """A spell ended: back off its bucket's next plans if its recent drafting steps lost."""
+        bucket = _bucket(num_sampled)
+        realized = self._realized.get(bucket)
+        if realized is not None and realized < 0:
+            self._backoff[bucket] = min(self._backoff.get(bucket, 0) + 1, self.max_backoff)
+        elif realized is not None:
+            self._backoff.pop(bucket, None)
+        self._spell = 0
 
     def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
                         seconds: float) -> None:
@@ -249,10 +326,16 @@ class AdaptiveK:
         sample = min(max(seconds / unit - modelled, 0.0), 3.0 * self.costs(num_base_tokens))
         self.step_overhead = 0.8 * self.step_overhead + 0.2 * sample
 
+    def _margin(self, num_sampled: int) -> float:
+        """What drafts must beat the plain step by: to start a spell, or to go on with one (at about
+        the same batch size)."""
+        return self.stay_margin if self._spell and _bucket(num_sampled) == self._spell_bucket else self.margin
+
     def worth_trying(self, num_sampled: int, num_base_tokens: int) -> bool:
         """Could any draft pay off in this batch? (A cheap test before looking for drafts.)"""
         if not self.adaptive:
             return True
+        margin = self._margin(num_sampled)
         prior = self._pooled() if self.shared_prior else self.best_prior
         best = max([self.acceptance(key) for key in self._est] + [prior])
         base = self.costs(num_base_tokens)
@@ -263,7 +346,7 @@ class AdaptiveK:
             # one request drafting k, or all of them (the draft steps' cost is shared)
             for num in {1, num_sampled}:
                 extra = self._extra_cost(num_base_tokens, num * k, k)
-                if num * gain * base > (1 + self.margin) * num_sampled * extra:
+                if num * gain * base > (1 + margin) * num_sampled * extra:
                     return True
         return False
 
@@ -312,16 +395,19 @@ class AdaptiveK:
 
         # expected accepted tokens count at the share the guard has seen drafting steps realize
         trust = self.guard.trust(num_base_tokens)
-        best = (float(len(rooms)), base_cost, ks, 0.0)  # (tokens, cost, ks, gain the model predicts)
+        margin = self._margin(len(rooms))
+        plain = (float(len(rooms)), base_cost, ks, 0.0)  # (tokens, cost, ks, gain the model predicts)
+        best = None
         for max_steps in (range(1, self.max_k + 1) if self.draft_cost else (self.max_k,)):
-            plan = self._plan_with(order, alphas, rooms, extra, max_spec_tokens, max_steps, trust, base_cost)
+            plan = self._plan_with(order, alphas, rooms, extra, max_spec_tokens, max_steps, trust, base_cost,
+                                   margin)
             tokens, cost = plan[0], plan[1]
             # the drafts' tokens per unit of all they cost, draft steps included, must beat the
             # plain step's by the margin
-            beats_plain = (tokens - len(rooms)) * base_cost > (1 + self.margin) * len(rooms) * (cost - base_cost)
-            if plan[3] and beats_plain and tokens * best[1] > best[0] * cost:
+            beats_plain = (tokens - len(rooms)) * base_cost > (1 + margin) * len(rooms) * (cost - base_cost)
+            if plan[3] and beats_plain and (best is None or tokens * best[1] > best[0] * cost):
                 best = plan
-        _, cost, ks, model_gain = best
+        _, cost, ks, model_gain = best or plain
         return self._settle(ks, keys, model_gain, cost / base_cost)
 
     def _settle(self, ks: dict[str, int], keys: dict[str, Hashable], model_gain: float,
@@ -329,7 +415,16 @@ class AdaptiveK:
         """Record the plan `ks` (what the guard and the deferral read) and return it."""
         self._plan_steps = max(ks.values(), default=0)
         self._empty_plans = self._empty_plans + 1 if self._plan_steps == 0 else 0
+        if self._plan_steps:
+            self._spell += 1
+            self._spell_bucket = _bucket(len(ks))
+        elif self._spell:
+            self._end_spell(len(ks))
         self._predicted_accepted, self._cost_ratio = model_gain, cost_ratio
+        self._plan_overhead = self.step_overhead
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("plan at step %d: K %d, %d of %d drafting, gain %.2f, cost x%.2f", self.guard.num_steps,
+                         self._plan_steps, sum(1 for k in ks.values() if k), len(ks), model_gain, cost_ratio)
         self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
         if self._plan_steps == 0 and self.shared_prior:  # the shared estimate drifts back too
             self._pool.accepted *= self.pool_rest_decay
@@ -338,7 +433,7 @@ class AdaptiveK:
 
     def _plan_with(self, order: list[str], alphas: dict[str, float], rooms: dict[str, int],
                    extra: Callable[[int], float], max_spec_tokens: int, max_steps: int, trust: float,
-                   base_cost: float) -> tuple[float, float, dict[str, int], float]:
+                   base_cost: float, margin: float) -> tuple[float, float, dict[str, int], float]:
         """`plan` with at most `max_steps` draft steps, paid for up front (when some request drafts):
         (expected tokens, cost, ks, the model's gain without the guard's scaling)."""
         ks = dict.fromkeys(rooms, 0)
@@ -357,7 +452,7 @@ class AdaptiveK:
                 gain = trust * raw
                 new_cost = base_cost + fixed + extra(num_spec + k)
                 # the drafts' tokens per unit of their own cost must beat the batch's by the margin
-                worth = gain * cost > (1 + self.margin) * tokens * (new_cost - cost)
+                worth = gain * cost > (1 + margin) * tokens * (new_cost - cost)
                 if worth and (tokens + gain) * best_cost > best_tokens * new_cost:
                     best_k, best_tokens, best_cost, best_raw = k, tokens + gain, new_cost, raw
             if not best_k:
@@ -379,6 +474,11 @@ class AdaptiveK:
             if e is not None:
                 e.accepted *= self.decay
                 e.tried *= self.decay
+
+
+def _bucket(num_sampled: int) -> int:
+    """Batch sizes judged together: 1, 2-3, 4-7, 8-15, ..."""
+    return num_sampled.bit_length()
 
 
 @dataclass(slots=True)
@@ -434,7 +534,7 @@ def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
     no draft could pay off at this batch size, whatever it samples (the policy's cheap test)."""
     num_sampled = sum(1 for s in sched.scheduled if s.sample)
     num_base = _next_base_tokens(sched)
-    return (num_sampled == 0 or policy.probing() or policy.plans_nothing()
+    return (num_sampled == 0 or policy.probing() or policy.plans_nothing(num_sampled)
             or not policy.worth_trying(num_sampled, num_base))
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from specserve.engine.cuda_graphs import replay_seconds
 from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.engine.step_inputs import PendingTokens, batch_metadata, chain_metadata
 from specserve.models.layers.attention import AttentionMetadata
@@ -68,6 +69,7 @@ class EagleProposer:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = 0
         self.executor: ModelExecutor | None = None  # set by bind
+        self.target: ModelExecutor | None = None  # set by bind
         self.generators: RequestGenerators | None = None
         self.entries = DraftEntries(1, 0)  # sized by bind
         self._hidden: torch.Tensor | None = None  # [num_slots + 1, h]: the target's hidden state per KV slot
@@ -80,6 +82,7 @@ class EagleProposer:
     def bind(self, binding: ProposerBinding) -> None:
         assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
         self.executor, self.generators = binding.draft, binding.generators
+        self.target = binding.target
         self.max_model_len = binding.max_model_len
         self.entries = DraftEntries(binding.draft.block_size, binding.draft.kv_cache.shape[2])
         self._hidden = binding.draft.slot_states["hidden_states"]
@@ -92,6 +95,17 @@ class EagleProposer:
         self.chain_graphs = ChainGraphs(self.head, ex.kv_caches, ex.device, self.entries.block_size, max_model_len,
                                         max_num_seqs, self.num_lookahead_tokens)
         self.chain_graphs.capture()
+        target = self.target.graphs if self.target is not None else None
+        if self.policy.measure_draft_cost and target is not None:
+            # a draft step's cost as this GPU runs it: the chain's graph per draft against the target's
+            # one-request decode graph (the head's share of the parameters overrates it where the
+            # host, not the device, sets the pace: each graph is one launch)
+            k = self.num_lookahead_tokens
+            chain_s = replay_seconds(self.chain_graphs.graphs[(1, k)])
+            target_s = replay_seconds(target.graphs[(1, 1)])
+            self.policy.draft_cost = chain_s / k / target_s
+            logger.info("EAGLE draft step: %.1f us, %.3f of a one-request target step (%.1f us)", 1e6 * chain_s / k,
+                        self.policy.draft_cost, 1e6 * target_s)
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:

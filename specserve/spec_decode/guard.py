@@ -59,39 +59,42 @@ class RealizedGain:
 
     def observe(self, num_base_tokens: int, base_cost: float, seconds: float, num_sampled: int,
                 num_accepted: int, num_draft_tokens: int, predicted_accepted: float = 0.0,
-                cost_ratio: float = 1.0, tick: bool = True) -> None:
+                cost_ratio: float = 1.0, tick: bool = True) -> float | None:
         """A step over `num_base_tokens` tokens (modelled cost `base_cost`) plus `num_draft_tokens`
         drafts took `seconds`; `num_sampled` requests sampled and accepted `num_accepted` drafts;
         `predicted_accepted`: the accepted tokens the policy expected of those drafts, at a modelled
-        step cost of `cost_ratio` x the plain step's. `tick`: the observation is a step of its own."""
+        step cost of `cost_ratio` x the plain step's. `tick`: the observation is a step of its own.
+        Returns a drafting step's realized speedup over the plain step (None: not judged)."""
         if tick:
             self.tick()
         if seconds <= 0 or base_cost <= 0:
-            return
+            return None
         bucket = _unit_bucket(num_base_tokens)
         unit = self._unit.get(bucket)
         if num_draft_tokens == 0:
             self._unjudged.pop(bucket, None)
             per_cost = seconds / base_cost
-            if unit is None:
+            if unit is None or self.num_steps - unit[1] > self.max_age:
+                # none, or too old to anchor this one (a stale time, a compile's, would hold it for good)
                 self._unit[bucket] = [per_cost, self.num_steps]
             else:  # an outlier (a page fault, a burst of other work) moves the average by a bounded step
                 per_cost = min(max(per_cost, 0.5 * unit[0]), 2.0 * unit[0])
                 unit[0] = self.unit_decay * unit[0] + (1 - self.unit_decay) * per_cost
                 unit[1] = self.num_steps
-            return
+            return None
         plain = self.plain_unit(num_base_tokens)
         if plain is None:
             self._unjudged[bucket] = self._unjudged.get(bucket, 0) + 1
-            return
+            return None
         if num_sampled <= 0 or predicted_accepted <= 0:
-            return
+            return None
         speedup = (num_sampled + num_accepted) / num_sampled * plain * base_cost / seconds
         realized = (speedup * cost_ratio - 1.0) * num_sampled  # accepted tokens worth that speedup
         sums = self._gain.setdefault(_gain_bucket(num_base_tokens), [0.0, 0.0, predicted_accepted])
         sums[0] += max(realized, -float(num_sampled))
         sums[1] += predicted_accepted
         sums[2] = 0.8 * sums[2] + 0.2 * predicted_accepted
+        return speedup
 
     def tick(self) -> None:
         """A step went by (observed, or run without the proposer): the gain sums decay, so a low
