@@ -278,6 +278,8 @@ class AdaptiveK:
             unit = self.guard.plain_unit(num_base_tokens)
             if made_drafts and unit is not None and seconds > 0:
                 self._fared(num_sampled, unit * self.costs(num_base_tokens) / seconds)
+            logger.debug("step %d: base %d, synchronous, took %.3f ms%s", self.guard.num_steps, num_base_tokens,
+                         seconds * 1e3, ", started a spell" if made_drafts else "")
             self.guard.tick()
             return
         if num_draft_tokens and on_device and not made_drafts:
