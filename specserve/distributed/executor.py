@@ -50,5 +50,8 @@ class ParallelExecutor(ModelExecutor):
             self.workers.call(("capture", max_model_len, max_num_seqs, tuple(query_lens)))
             super().capture_graphs(max_model_len, max_num_seqs, query_lens)
 
+    def decode_replay_seconds(self) -> float | None:
+        return None  # its graphs hold collectives: replayed here alone, they would wait for the workers
+
     def shutdown(self) -> None:
         self.workers.stop()

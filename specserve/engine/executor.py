@@ -59,6 +59,12 @@ class ModelExecutor:
                                    max_num_seqs, query_lens)
         self.graphs.capture()
 
+    def decode_replay_seconds(self) -> float | None:
+        """Device seconds of one replay of the one-request decode graph (None: no graphs captured)."""
+        from specserve.engine.cuda_graphs import replay_seconds
+
+        return replay_seconds(self.graphs.graphs[(1, 1)]) if self.graphs is not None else None
+
     def warm_up_kernels(self, max_model_len: int) -> None:
         """Compile the attention kernel variants this model's layers can launch (a variant first met while
         serving would stall that step: Triton compiles it then)."""

@@ -95,14 +95,14 @@ class EagleProposer:
         self.chain_graphs = ChainGraphs(self.head, ex.kv_caches, ex.device, self.entries.block_size, max_model_len,
                                         max_num_seqs, self.num_lookahead_tokens)
         self.chain_graphs.capture()
-        target = self.target.graphs if self.target is not None else None
-        if self.policy.measure_draft_cost and target is not None:
+        target_s = self.target.decode_replay_seconds() if self.policy.measure_draft_cost else None
+        if target_s:
             # a draft step's cost as this GPU runs it: the chain's graph per draft against the target's
             # one-request decode graph (the head's share of the parameters overrates it where the
-            # host, not the device, sets the pace: each graph is one launch)
+            # host, not the device, sets the pace: each graph is one launch); not under tensor
+            # parallelism (the target's graphs replay on every rank together)
             k = self.num_lookahead_tokens
             chain_s = replay_seconds(self.chain_graphs.graphs[(1, k)])
-            target_s = replay_seconds(target.graphs[(1, 1)])
             self.policy.draft_cost = chain_s / k / target_s
             logger.info("EAGLE draft step: %.1f us, %.3f of a one-request target step (%.1f us)", 1e6 * chain_s / k,
                         self.policy.draft_cost, 1e6 * target_s)
