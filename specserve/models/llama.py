@@ -5,7 +5,7 @@ The forward takes all of a step's tokens at once ([num_tokens]); no batch or pad
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -78,12 +78,16 @@ class LlamaForCausalLM(nn.Module):
         # decoder layers whose output (the residual stream after them) the forward also returns, for an
         # EAGLE head that fuses several of the target's layers (set by the engine's builder)
         self.aux_layers: tuple[int, ...] = ()
+        # with aux layers: fuse them with the final hidden states into one feature here, inside the
+        # forward (and its CUDA graphs), instead of returning them: (final, [aux]) -> [T, hidden_size]
+        self.aux_features: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size], or with
         `aux_layers` [num_tokens, (1 + len(aux_layers)) * hidden_size]: the final hidden states, then
-        each aux layer's output in order (compute_logits reads the first hidden_size columns)."""
+        each aux layer's output in order, or with `aux_features` too [num_tokens, 2 * hidden_size]:
+        the final hidden states, then their feature (compute_logits reads the first hidden_size columns)."""
         x, residual = self.embed_tokens(input_ids), None
         aux = []
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -91,6 +95,8 @@ class LlamaForCausalLM(nn.Module):
             if i in self.aux_layers:
                 aux.append(x + residual)
         x, _ = self.norm(x, residual)
+        if self.aux_features is not None and aux:
+            return torch.cat([x, self.aux_features(x, aux)], dim=-1)
         return torch.cat([x, *aux], dim=-1) if aux else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,7 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
     if spec.method == "eagle3" and not head.aux_layers:
         raise ValueError(f"speculative method eagle3 needs a head that fuses several of the target's layers; "
                          f"{path} reads the last hidden state alone: use method eagle")
-    fuse_target_layers(target, head.aux_layers)
+    fuse_target_layers(target, head.aux_layers, head.fuse_layers)
     policy.measure_draft_cost = spec.draft_cost is None
     policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else head.num_params / target.arch.num_params
     logger.info("EAGLE head %s: %.1fM params, draft vocabulary %d, draft step ~%.3f target steps", path,
@@ -138,9 +138,10 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
                          max_num_batched_tokens=max_num_batched_tokens)
 
 
-def fuse_target_layers(target: LoadedModel, aux_layers: tuple[int, ...]) -> None:
+def fuse_target_layers(target: LoadedModel, aux_layers: tuple[int, ...], features=None) -> None:
     """Have the target's forward also return the outputs of `aux_layers` (an EAGLE head's fused
-    layers), or refuse a target that cannot."""
+    layers), or, given the head's `features` (`EagleHead.fuse_layers`), their fused feature, computed
+    inside the forward (inside its CUDA graphs: no host work per step); or refuse a target that cannot."""
     if not aux_layers:
         return
     model, num_layers = target.model, target.arch.num_layers
@@ -150,3 +151,4 @@ def fuse_target_layers(target: LoadedModel, aux_layers: tuple[int, ...]) -> None
         raise ValueError(f"an EAGLE head that fuses target layers needs a Llama-family target, not "
                          f"{target.arch.architecture}")
     model.aux_layers = tuple(aux_layers)
+    model.aux_features = features

@@ -264,8 +264,10 @@ class EagleProposer:
 
     def _store(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The step's features at its KV slots [num_tokens]: the target's hidden states [num_tokens, h],
-        or the fused ones of a head over several layers (`EagleHead.features`)."""
-        self._hidden.index_copy_(0, slot_mapping, self.head.features(hidden.to(self._dtype)).to(self._hidden.dtype))
+        or for a head over several layers the fused feature the target's forward computed beside them
+        (`fuse_target_layers`): one copy per step, drafting or not."""
+        feature = hidden[:, self.head.cfg.hidden_size:] if self.head.aux_layers else hidden
+        self._hidden.index_copy_(0, slot_mapping, feature.to(self._hidden.dtype))
 
     def _catch_up(self, segments: list[tuple[DraftSlot, int, int]], ks: list[int]
                   ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:

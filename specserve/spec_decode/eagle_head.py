@@ -127,8 +127,12 @@ class EagleHead(nn.Module):
         [T, h] (with no aux layers, the final hidden state itself)."""
         if not self.aux_layers:
             return target_out
-        h = self.cfg.hidden_size
-        final, *aux = target_out.split(h, dim=-1)
+        final, *aux = target_out.split(self.cfg.hidden_size, dim=-1)
+        return self.fuse_layers(final, aux)
+
+    def fuse_layers(self, final: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """The feature from the target's final hidden states [T, h] and its aux layers' outputs (each
+        [T, h]): what the target's forward computes itself when serving (`fuse_target_layers`)."""
         return self.fuse(torch.cat([final, *(norm(a) for norm, a in zip(self.aux_norms, aux))], dim=-1))
 
     def init_fuse_identity(self) -> None:

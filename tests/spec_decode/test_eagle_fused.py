@@ -50,6 +50,29 @@ def test_a_fused_head_reads_the_layers_and_starts_as_the_plain_head(tiny_llama_d
     assert default_aux_layers(30) == (2, 15) and default_aux_layers(2) == (0,)
 
 
+def test_served_the_target_computes_the_fused_feature_itself(tiny_llama_dir, fused_head_dir):
+    """When serving, the target's forward returns [final hidden, the head's feature] (computed inside
+    the forward, so inside its CUDA graphs: a step costs no host work for it), the feature equal to
+    what the head computes from the layers' outputs; what the engine stores per KV slot is that feature."""
+    from specserve.spec_decode import fuse_target_layers
+
+    target = _target(tiny_llama_dir)
+    h = target.arch.hidden_size
+    head = _random_head(target, aux_layers=(0,))
+    fuse_target_layers(target, head.aux_layers)
+    rows = _hidden(target, IDS)
+    fuse_target_layers(target, head.aux_layers, head.fuse_layers)
+    served = _hidden(target, IDS)
+    assert served.shape == (len(IDS), 2 * h)
+    torch.testing.assert_close(served[:, :h], rows[:, :h])
+    with torch.no_grad():
+        torch.testing.assert_close(served[:, h:], head.features(rows))
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_num_seqs=2,
+              speculative_config=dict(eagle_config(fused_head_dir, 3), method="eagle3"))
+    model = llm.engine.runner.target.model
+    assert model.aux_layers and model.aux_features is not None
+
+
 @pytest.mark.parametrize("args", ["mixed", "preempt"])
 def test_greedy_identity_with_a_fused_head(tiny_llama_dir, fused_head_dir, args):
     """method eagle3, k = 3: the target's output, on the host path and drafting on the device with the
