@@ -26,6 +26,8 @@ The model is checked against the clock (specserve/spec_decode/guard.py): a propo
 steps (`step_started` / `step_finished` / `step_skipped`) lets the guard compare drafting steps with
 plain ones; the expected accepted tokens are scaled by the share it sees realized (`trust`, <= 1),
 and what a drafting step costs beyond the model (`step_overhead`) is measured and priced in.
+Drafting runs in spells: started at the margin, continued within `stay_margin`, and backed off per
+batch size after spells that lost (docs/speculative.md, Adaptive k).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from specserve.spec_decode.proposer import ProposerBinding
 
 logger = logging.getLogger(__name__)  # DEBUG: one line per judged step and per plan (the policy's trace)
+
 
 @dataclass(slots=True)
 class _Estimate:
@@ -127,8 +130,9 @@ class AdaptiveK:
         self._empty_plans = 0
         # Spells: runs of plans that draft. Starting one costs a synchronous step (and, for a head, a
         # catch-up over every position since its last run), so a spell starts only if its drafts beat
-        # the plain step by `margin`, and goes on while they beat it at all (`stay_margin`): estimates
-        # near the bar would otherwise flip drafting on and off, paying each start. How recent
+        # the plain step by `margin`, and goes on while they come within `stay_margin` of it (at the
+        # same batch-size bucket): estimates near the bar would otherwise flip drafting on and off,
+        # paying each start. How recent
         # drafting steps fared against the plain step (realized speedup - 1, the steps that started
         # spells included) is kept per batch-size bucket; a spell that ends on a loss doubles the wait
         # before that bucket plans again (`backoff`: 16, 32, .. 8 << max_backoff steps), one that ends
