@@ -143,7 +143,6 @@ class AdaptiveK:
         self._spell_bucket = 0  # the batch-size bucket of its last plan
         self._realized: dict[int, float] = {}  # batch bucket -> recent realized speedup - 1 (EMA)
         self._backoff: dict[int, int] = {}  # batch bucket -> spells in a row that ended on a loss
-        self._empty_bucket = 0  # the batch-size bucket of the last plan that drafted nothing
         self._est: dict[str, _Estimate] = {}
 
     def forget_measurements(self) -> None:
@@ -162,7 +161,6 @@ class AdaptiveK:
         self._plan_steps = -1
         self._realized.clear()
         self._backoff.clear()
-        self._empty_bucket = 0
 
     def acceptance(self, key: Hashable) -> float:
         """Estimated probability that a draft token under `key` is accepted (the previous one was)."""
@@ -234,20 +232,10 @@ class AdaptiveK:
         """Did the last plan give no drafts (and is it recent enough to go by without planning, for a
         batch of `num_sampled` sampling requests)?"""
         wait = min(self.replan_every, 4 << min(self._empty_plans, 8))
-        if num_sampled and _bucket(num_sampled) < self._empty_bucket:
-            return False  # a smaller batch than the one nothing paid for: it may pay (plan again)
         backoff = self._backoff.get(_bucket(num_sampled), 0)
         if backoff:
             wait = max(wait, 8 << backoff)
         return self._plan_steps == 0 and self._skips_since_plan < wait
-
-    def found_nothing_worth(self, num_sampled: int) -> None:
-        """`worth_trying` said no for a batch of `num_sampled` where a plan was due: as after a plan
-        that drafts nothing, the next ones wait (`plans_nothing`), so the test does not run again every
-        step (at 16 requests on a host-bound GPU it was a few percent of a step)."""
-        self._plan_steps, self._skips_since_plan = 0, 0
-        self._empty_plans += 1
-        self._empty_bucket = _bucket(num_sampled)
 
     def probing(self) -> bool:
         """Are plain steps being timed (under async scheduling: they should run deferred)?"""
@@ -433,8 +421,6 @@ class AdaptiveK:
         """Record the plan `ks` (what the guard and the deferral read) and return it."""
         self._plan_steps = max(ks.values(), default=0)
         self._empty_plans = self._empty_plans + 1 if self._plan_steps == 0 else 0
-        if self._plan_steps == 0:
-            self._empty_bucket = _bucket(len(ks))
         if self._plan_steps:
             self._spell += 1
             self._spell_bucket = _bucket(len(ks))
@@ -553,12 +539,9 @@ def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
     """`Proposer.idle` for proposers driven by the policy: after this step (which verifies no drafts)
     no draft could pay off at this batch size, whatever it samples (the policy's cheap test)."""
     num_sampled = sum(1 for s in sched.scheduled if s.sample)
-    if num_sampled == 0 or policy.probing() or policy.plans_nothing(num_sampled):
-        return True
-    if not policy.worth_trying(num_sampled, _next_base_tokens(sched)):
-        policy.found_nothing_worth(num_sampled)
-        return True
-    return False
+    num_base = _next_base_tokens(sched)
+    return (num_sampled == 0 or policy.probing() or policy.plans_nothing(num_sampled)
+            or not policy.worth_trying(num_sampled, num_base))
 
 
 def skipped(policy: AdaptiveK, sched: SchedulerOutput) -> None:

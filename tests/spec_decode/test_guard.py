@@ -393,25 +393,3 @@ def test_the_engine_warm_up_teaches_adaptive_k_nothing(tiny_llama_dir):
     assert llm.engine.warmup_seconds > 0
     assert policy.guard.num_steps == 0 and not policy.guard._unit and not policy._est
     assert policy._plan_steps == -1 and policy.step_overhead == 0.0
-
-
-def test_when_no_draft_could_pay_the_cheap_test_waits_as_an_empty_plan_does():
-    """`worth_trying` saying no (at 16 requests nothing pays here) counts as a plan that drafts
-    nothing: the proposer idles for the next steps without running the test again each step; a
-    smaller batch (which might pay) is tested at once."""
-    from specserve.engine.outputs import ScheduledRequest, SchedulerOutput
-    from specserve.spec_decode.adaptive import nothing_to_draft
-
-    policy = head_policy(0.03)
-    policy.step_overhead = 5.0  # a drafting step dearer than anything drafts can earn
-    calls = []
-    worth_trying = policy.worth_trying
-    policy.worth_trying = lambda *a: calls.append(a) or worth_trying(*a)
-
-    def batch(n: int) -> SchedulerOutput:
-        return SchedulerOutput([ScheduledRequest(None, 100, 1, [], [0], True) for _ in range(n)])
-
-    assert all(nothing_to_draft(policy, batch(16)) for _ in range(8))
-    assert len(calls) == 1
-    nothing_to_draft(policy, batch(2))
-    assert len(calls) == 2
