@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -138,7 +139,8 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
                          max_num_batched_tokens=max_num_batched_tokens)
 
 
-def fuse_target_layers(target: LoadedModel, aux_layers: tuple[int, ...], features=None) -> None:
+def fuse_target_layers(target: LoadedModel, aux_layers: tuple[int, ...],
+                       features: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor] | None = None) -> None:
     """Have the target's forward also return the outputs of `aux_layers` (an EAGLE head's fused
     layers), or, given the head's `features` (`EagleHead.fuse_layers`), their fused feature, computed
     inside the forward (inside its CUDA graphs: no host work per step); or refuse a target that cannot."""
