@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specserve.spec_decode.costs import StepCosts, measured_costs, profile_forward
-from specserve.spec_decode.guard import RealizedGain
+from specserve.spec_decode.guard import RealizedGain, batch_bucket
 
 if TYPE_CHECKING:
     from specserve.engine.executor import ModelExecutor
@@ -232,7 +232,7 @@ class AdaptiveK:
         """Did the last plan give no drafts (and is it recent enough to go by without planning, for a
         batch of `num_sampled` sampling requests)?"""
         wait = min(self.replan_every, 4 << min(self._empty_plans, 8))
-        backoff = self._backoff.get(_bucket(num_sampled), 0)
+        backoff = self._backoff.get(batch_bucket(num_sampled), 0)
         if backoff:
             wait = max(wait, 8 << backoff)
         return self._plan_steps == 0 and self._skips_since_plan < wait
@@ -309,12 +309,12 @@ class AdaptiveK:
 
     def _fared(self, num_sampled: int, speedup: float) -> None:
         """A step of a spell (or one that started it) ran at `speedup` x the plain step's throughput."""
-        bucket = _bucket(num_sampled)
+        bucket = batch_bucket(num_sampled)
         self._realized[bucket] = 0.7 * self._realized.get(bucket, 0.0) + 0.3 * (speedup - 1.0)
 
     def _end_spell(self, num_sampled: int) -> None:
         """A spell ended: back off its bucket's next plans if its recent drafting steps lost."""
-        bucket = _bucket(num_sampled)
+        bucket = batch_bucket(num_sampled)
         realized = self._realized.get(bucket)
         if realized is not None and realized < 0:
             self._backoff[bucket] = min(self._backoff.get(bucket, 0) + 1, self.max_backoff)
@@ -335,7 +335,7 @@ class AdaptiveK:
     def _margin(self, num_sampled: int) -> float:
         """What drafts must beat the plain step by: to start a spell, or to go on with one (at about
         the same batch size)."""
-        return self.stay_margin if self._spell and _bucket(num_sampled) == self._spell_bucket else self.margin
+        return self.stay_margin if self._spell and batch_bucket(num_sampled) == self._spell_bucket else self.margin
 
     def worth_trying(self, num_sampled: int, num_base_tokens: int) -> bool:
         """Could any draft pay off in this batch? (A cheap test before looking for drafts.)"""
@@ -423,7 +423,7 @@ class AdaptiveK:
         self._empty_plans = self._empty_plans + 1 if self._plan_steps == 0 else 0
         if self._plan_steps:
             self._spell += 1
-            self._spell_bucket = _bucket(len(ks))
+            self._spell_bucket = batch_bucket(len(ks))
         elif self._spell:
             self._end_spell(len(ks))
         self._predicted_accepted, self._cost_ratio = model_gain, cost_ratio
@@ -480,11 +480,6 @@ class AdaptiveK:
             if e is not None:
                 e.accepted *= self.decay
                 e.tried *= self.decay
-
-
-def _bucket(num_sampled: int) -> int:
-    """Batch sizes judged together: 1, 2-3, 4-7, 8-15, ..."""
-    return num_sampled.bit_length()
 
 
 @dataclass(slots=True)

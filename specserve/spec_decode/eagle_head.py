@@ -97,7 +97,7 @@ class EagleHead(nn.Module):
     @property
     def num_params(self) -> int:
         """Weights one draft step reads: the layer, fc, the norms and the draft LM head rows (not
-        `fuse`: it runs once per target position, when the step's features are stored)."""
+        `fuse`: it runs once per target position, in the target's forward when serving)."""
         own = sum(p.numel() for name, p in self.named_parameters() if not name.startswith(FUSE_PARAMS))
         return own + self.draft_vocab_size * self.cfg.hidden_size
 

@@ -39,8 +39,9 @@ def _unit_bucket(num_tokens: int) -> int:
     return -(-num_tokens >> shift) << shift
 
 
-def _gain_bucket(num_tokens: int) -> int:
-    return num_tokens.bit_length()  # 1, 2-3, 4-7, 8-15, 16-31, ...
+def batch_bucket(num: int) -> int:
+    """Batch sizes (or token counts) judged together: 1, 2-3, 4-7, 8-15, 16-31, ..."""
+    return num.bit_length()
 
 
 class RealizedGain:
@@ -90,7 +91,7 @@ class RealizedGain:
             return None
         speedup = (num_sampled + num_accepted) / num_sampled * plain * base_cost / seconds
         realized = (speedup * cost_ratio - 1.0) * num_sampled  # accepted tokens worth that speedup
-        sums = self._gain.setdefault(_gain_bucket(num_base_tokens), [0.0, 0.0, predicted_accepted])
+        sums = self._gain.setdefault(batch_bucket(num_base_tokens), [0.0, 0.0, predicted_accepted])
         sums[0] += max(realized, -float(num_sampled))
         sums[1] += predicted_accepted
         sums[2] = 0.8 * sums[2] + 0.2 * predicted_accepted
@@ -116,7 +117,7 @@ class RealizedGain:
 
     def trust(self, num_base_tokens: int) -> float:
         """The share of predicted gains that drafting steps over such a batch realized (1 = no evidence)."""
-        sums = self._gain.get(_gain_bucket(num_base_tokens))
+        sums = self._gain.get(batch_bucket(num_base_tokens))
         if sums is None:
             return 1.0
         w = self.prior_steps * sums[2]
