@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from specserve.spec_decode.rejection import RejectionSampler
 
 logger = logging.getLogger(__name__)
+DRAFT_PLACEHOLDER = -1  # a draft still on its way to the host (see `_verify_and_draft`); never a model input
 
 
 @dataclass
@@ -53,7 +54,9 @@ class ModelRunner:
         self.rejection_sampler = rejection_sampler
         self.sampler = Sampler()
         self.staging = HostStaging(self.device)  # step inputs, host -> device
-        self.token_staging = HostStaging(self.device)  # sampled ids of deferred steps, device -> host
+        self.token_staging = HostStaging(self.device)  # sampled ids and drafts, device -> host
+        # the last step's drafts on their way to the host: (DeviceDrafts, host copy, its event)
+        self._drafts: tuple | None = None
         torch.manual_seed(seed)
 
     @property
@@ -79,6 +82,7 @@ class ModelRunner:
         device. With `defer` (only for steps whose requests all sample plainly, one token each, with no
         drafts to verify and an idle proposer) the sampled ids stay on the device and `collect` fetches
         them later; otherwise the step is finished here."""
+        self._fill_drafts(sched)
         self.generators.forget(sched.finished_req_ids)
         if self.proposer is not None:
             self.proposer.begin_step(sched)
@@ -114,29 +118,63 @@ class ModelRunner:
 
     def _verify_and_draft(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
                           out: ModelRunnerOutput) -> None:
-        """Verification and the next drafts with one host wait: the target's argmax of every row, the
-        accepted prefixes (on the device), the proposer's catch-up and chain are all queued before
-        the host waits, once, for the step's tokens and the drafts together; the device does not sit
-        idle between verifying and drafting while the host looks at the accepted counts."""
+        """Verification and the next drafts with one host wait, for the verification only: the
+        target's argmax of every row and the accepted prefixes (on the device) start on their way to
+        the host, the proposer's catch-up and chain are queued behind them, and the host waits for
+        the step's tokens alone. The drafts follow on their own copy while the host keeps its books,
+        reports the tokens and schedules the next step (the device drafts meanwhile); `launch` fills
+        them in before that step's inputs (`_fill_drafts`). Until then the next step's drafts are
+        placeholders (DRAFT_PLACEHOLDER) of the right number."""
         logits = self.target.compute_logits(hidden[inputs.logits_indices])
         argmax = logits.argmax(dim=-1)
         rows = inputs.logits_rows
         after = (inputs.logits_indices + 1).clamp_(max=inputs.input_ids.shape[0] - 1)
         n = self.rejection_sampler.greedy_on_device(argmax, inputs.input_ids[after], [c for _, _, c in rows],
                                                     self.staging)
+        verified, event = self._to_host([argmax, n])
         pending = self.proposer.draft_on_device(DeviceStep(sched, rows, hidden, inputs.meta.slot_mapping, argmax, n))
-        parts = [argmax, n] + ([pending.tokens.reshape(-1)] if pending.tokens is not None else [])
-        flat = torch.cat(parts).tolist()  # the step's one wait
-        num_logits, num_reqs = len(argmax), len(rows)
+        drafts = self._to_host([pending.tokens.reshape(-1)]) if pending.tokens is not None else None
+        if event is not None:
+            event.synchronize()  # the step's one wait
+        tokens, accepted = verified[0].tolist(), verified[1].tolist()
         for i, (s, first, _) in enumerate(rows):
-            req_id, accepted = s.request.request_id, flat[num_logits + i]
-            out.sampled_token_ids[req_id] = s.spec_token_ids[:accepted] + [flat[first + accepted]]
+            req_id = s.request.request_id
+            out.sampled_token_ids[req_id] = s.spec_token_ids[:accepted[i]] + [tokens[first + accepted[i]]]
             if s.spec_token_ids:
-                out.num_accepted[req_id] = accepted
-        width = pending.tokens.shape[1] if pending.tokens is not None else 0
-        drafts = flat[num_logits + num_reqs:]
-        out.draft_token_ids = self.proposer.drafted(
-            pending, out, [drafts[i * width:(i + 1) * width] for i in range(len(pending.chained))])
+                out.num_accepted[req_id] = accepted[i]
+        kept = self.proposer.drafted(pending, out)
+        out.draft_token_ids = {req_id: [DRAFT_PLACEHOLDER] * k for req_id, k in kept.items()}
+        if kept:
+            (host,), drafts_event = drafts
+            self._drafts = (pending, host, drafts_event)
+
+    def _to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Host copies of 1-D int64 device tensors on their way (pinned, on CUDA) and the event that
+        says they have arrived (None: they are there)."""
+        if self.device.type != "cuda":
+            return tensors, None
+        return self.token_staging.to_host(tensors), self.token_staging.last_event
+
+    def _fill_drafts(self, sched: SchedulerOutput) -> None:
+        """Drafts of the last step (`_verify_and_draft`), once they are on the host, replace their
+        placeholders: in their requests (a step may leave a request unscheduled) and in this step."""
+        if self._drafts is None:
+            return
+        pending, host, event = self._drafts
+        self._drafts = None
+        if event is not None:
+            event.synchronize()
+        width = pending.tokens.shape[1]
+        flat = host.tolist()
+        row_of = {}
+        for i, slot in enumerate(pending.chained):
+            request = slot.sched.request
+            row_of[request.request_id] = row = flat[i * width:(i + 1) * width]
+            if request.spec_token_ids:  # a prefix of the kept drafts (the scheduler may cut them)
+                request.spec_token_ids = row[:len(request.spec_token_ids)]
+        for s in sched.scheduled:
+            if s.spec_token_ids and s.request.request_id in row_of:
+                s.spec_token_ids[:] = row_of[s.request.request_id][:len(s.spec_token_ids)]
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """The step's output (waits for its tokens if they are still in flight)."""

@@ -238,11 +238,11 @@ class EagleProposer:
             pending.tokens, _ = self._chain(newest, chained, context_lens.tolist())
         return pending
 
-    def drafted(self, pending: DeviceDrafts, out: ModelRunnerOutput, rows: list[list[int]]
-                ) -> dict[str, list[int]]:
-        """After `draft_on_device`, with the step's tokens on the host: the verifications go to the
-        estimates, the head's entries are valid up to each newest token, the rest fall behind; each
-        request's drafts are cut to the room its real new tokens leave."""
+    def drafted(self, pending: DeviceDrafts, out: ModelRunnerOutput) -> dict[str, int]:
+        """After `draft_on_device`, with the step's tokens on the host (the drafts may still be on the
+        device): the verifications go to the estimates, the head's entries are valid up to each newest
+        token, the rest fall behind. Returns how many drafts each drafting request keeps (a prefix of
+        its row of `pending.tokens`): k cut to the room its real new tokens leave."""
         for s in pending.sched.scheduled:
             if s.spec_token_ids:
                 req_id = s.request.request_id
@@ -250,17 +250,17 @@ class EagleProposer:
         chained = {slot.sched.request.request_id for slot in pending.chained}
         self.entries.fall_behind((s, _verified(s, out)) for s in pending.sched.scheduled
                                  if s.request.request_id not in chained)
-        drafts: dict[str, list[int]] = {}
-        for slot, start, row in zip(pending.chained, pending.starts, rows):
+        kept: dict[str, int] = {}
+        for slot, start in zip(pending.chained, pending.starts):
             s = slot.sched
             req_id = s.request.request_id
             new_ids = out.sampled_token_ids[req_id]
             self.entries.written(s, start, s.request.num_tokens + len(new_ids))
             k = min(slot.k, draft_room(s.request, new_ids, self.max_model_len))
             if k > 0:
-                drafts[req_id] = row[:k]
+                kept[req_id] = k
                 self._probs[req_id] = None
-        return drafts
+        return kept
 
     def _store(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The step's features at its KV slots [num_tokens]: the target's hidden states [num_tokens, h],

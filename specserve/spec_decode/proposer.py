@@ -17,7 +17,8 @@ the runner hands it plain data:
 4. or, for a proposer with `drafts_on_device` and a step whose sampling requests are all plain
    greedy, `draft_on_device(DeviceStep)` instead of `propose`, before the step's verification has
    reached the host (its accepted counts are device tensors), then `drafted(...)` once the host has
-   the step's tokens and the drafts: the host waits for the device once per step, not twice.
+   the step's tokens: the host waits for the verification only; the drafts reach the host while it
+   resolves and schedules the next step (the runner fills them in before that step's inputs).
 """
 from __future__ import annotations
 
@@ -109,10 +110,10 @@ class Proposer(Protocol):
         """Queue the next step's drafts on the device from a step whose verification is still there
         (only with `drafts_on_device`). The result's `tokens` [P, K] are read by the runner."""
 
-    def drafted(self, pending: DeviceDrafts, out: ModelRunnerOutput, rows: list[list[int]]
-                ) -> dict[str, list[int]]:
-        """After `draft_on_device`: the step's tokens are in `out`, the drafts' rows (`pending.tokens`)
-        in `rows`. Keep the books; return the drafts per request id, as `propose` does."""
+    def drafted(self, pending: DeviceDrafts, out: ModelRunnerOutput) -> dict[str, int]:
+        """After `draft_on_device`: the step's tokens are in `out`; the drafts (`pending.tokens`) may
+        still be on the device. Keep the books; return how many drafts (a prefix of its row of
+        `pending.tokens`) each request keeps for the next step."""
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         """[num_drafts, vocab] probabilities the request's current drafts were sampled from;
