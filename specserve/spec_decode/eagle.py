@@ -23,7 +23,8 @@ are valid up to the newest token L - 1 (hidden h_{L-2}, computed this step) in o
 that last row gives the first draft's logits. Each further draft is one head forward of one token
 per drafting request at the next position, with the previous draft as token and the head's own
 output as hidden state; the chain's metadata is built and uploaded once for all its steps
-(`chain_metadata`). Tokens stay on the device until the k drafts are done (one host sync per step).
+(`chain_metadata`). Tokens stay on the device until the k drafts are done (one host sync per step;
+drafting on the device, the host does not wait for them: engine/model_runner.py).
 The chain's entries (positions >= L) are never trusted: the next catch-up rewrites them from the
 target's hidden states. Random requests sample drafts from q = probs_for(draft logits) with their
 temperature / top-k / top-p and generator; q, zero outside the draft vocabulary, is kept for the
