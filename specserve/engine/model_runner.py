@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from specserve.engine.executor import ModelExecutor
 from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from specserve.engine.request import Request
-from specserve.engine.step_inputs import HostStaging, PendingTokens, StepInputs, build_step_inputs
+from specserve.engine.step_inputs import (DRAFT_PLACEHOLDER, DraftsInFlight, HostStaging, PendingTokens, StepInputs,
+                                          build_step_inputs)
 from specserve.sample.sampler import RequestGenerators, Sampler, SamplingRow
 from specserve.spec_decode.proposer import DeviceStep, DraftStep
 from specserve.spec_decode.rejection import plain_greedy
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from specserve.spec_decode.rejection import RejectionSampler
 
 logger = logging.getLogger(__name__)
-DRAFT_PLACEHOLDER = -1  # a draft still on its way to the host (see `_verify_and_draft`); never a model input
 
 
 @dataclass
@@ -55,8 +55,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.staging = HostStaging(self.device)  # step inputs, host -> device
         self.token_staging = HostStaging(self.device)  # sampled ids and drafts, device -> host
-        # the last step's drafts on their way to the host: (DeviceDrafts, host copy, its event)
-        self._drafts: tuple | None = None
+        self._drafts: DraftsInFlight | None = None  # the last step's, for the next step's inputs
+        self._unsettled: DraftsInFlight | None = None  # taken by a step whose host books still hold placeholders
         torch.manual_seed(seed)
 
     @property
@@ -82,7 +82,8 @@ class ModelRunner:
         device. With `defer` (only for steps whose requests all sample plainly, one token each, with no
         drafts to verify and an idle proposer) the sampled ids stay on the device and `collect` fetches
         them later; otherwise the step is finished here."""
-        self._fill_drafts(sched)
+        on_device = self._drafts_on_device(sched)
+        drafts = self._fill_drafts(sched, on_device)
         self.generators.forget(sched.finished_req_ids)
         if self.proposer is not None:
             self.proposer.begin_step(sched)
@@ -93,14 +94,14 @@ class ModelRunner:
             return step
         self.copy_blocks(sched.block_copies)
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.device, staging=self.staging,
-                                   prev_tokens=prev.pending if prev is not None else None)
+                                   prev_tokens=prev.pending if prev is not None else None, drafts=drafts)
         hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.meta)
         if defer and inputs.logits_rows:
             step.pending = self._sample_deferred(inputs, hidden)
             if self.proposer is not None:  # idle this step: it only keeps its books (or its KV)
                 self.proposer.skip(sched, hidden, step.pending, inputs.meta.slot_mapping)
             return step
-        if inputs.logits_rows and self._drafts_on_device(inputs):
+        if inputs.logits_rows and on_device:
             self._verify_and_draft(sched, inputs, hidden, out)
         else:
             if inputs.logits_rows:
@@ -110,21 +111,23 @@ class ModelRunner:
         step.result = out
         return step
 
-    def _drafts_on_device(self, inputs: StepInputs) -> bool:
+    def _drafts_on_device(self, sched: SchedulerOutput) -> bool:
         """Does the proposer draft on the device, and is every sampling request plain greedy?"""
         return (self.proposer is not None and self.proposer.drafts_on_device
                 and all(not s.request.forks and plain_greedy(s.request.sampling_params, s.request.grammar)
-                        for s, _, _ in inputs.logits_rows))
+                        for s in sched.scheduled if s.sample))
 
     def _verify_and_draft(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
                           out: ModelRunnerOutput) -> None:
         """Verification and the next drafts with one host wait, for the verification only: the
         target's argmax of every row and the accepted prefixes (on the device) start on their way to
         the host, the proposer's catch-up and chain are queued behind them, and the host waits for
-        the step's tokens alone. The drafts follow on their own copy while the host keeps its books,
-        reports the tokens and schedules the next step (the device drafts meanwhile); `launch` fills
-        them in before that step's inputs (`_fill_drafts`). Until then the next step's drafts are
-        placeholders (DRAFT_PLACEHOLDER) of the right number."""
+        the step's tokens alone (a request's tokens are the argmax of its rows up to its first
+        rejected draft's: equal to its drafts before it). The drafts stay on the device: the next
+        step's inputs take them there (`_fill_drafts`), and their host copy arrives meanwhile; the
+        host keeps its books, reports the tokens and schedules the next step while the device drafts.
+        Until the copy is read, the drafts the scheduler holds are placeholders (DRAFT_PLACEHOLDER)
+        of the right number."""
         logits = self.target.compute_logits(hidden[inputs.logits_indices])
         argmax = logits.argmax(dim=-1)
         rows = inputs.logits_rows
@@ -136,17 +139,21 @@ class ModelRunner:
         drafts = self._to_host([pending.tokens.reshape(-1)]) if pending.tokens is not None else None
         if event is not None:
             event.synchronize()  # the step's one wait
+        self._settle_drafts(sched)  # this step's drafts (read from the device) reach the host books
         tokens, accepted = verified[0].tolist(), verified[1].tolist()
         for i, (s, first, _) in enumerate(rows):
             req_id = s.request.request_id
-            out.sampled_token_ids[req_id] = s.spec_token_ids[:accepted[i]] + [tokens[first + accepted[i]]]
+            out.sampled_token_ids[req_id] = tokens[first:first + accepted[i] + 1]
             if s.spec_token_ids:
                 out.num_accepted[req_id] = accepted[i]
         kept = self.proposer.drafted(pending, out)
         out.draft_token_ids = {req_id: [DRAFT_PLACEHOLDER] * k for req_id, k in kept.items()}
         if kept:
             (host,), drafts_event = drafts
-            self._drafts = (pending, host, drafts_event)
+            width = pending.tokens.shape[1]
+            requests = {slot.sched.request.request_id: slot.sched.request for slot in pending.chained}
+            offsets = dict(zip(requests, range(0, len(requests) * width, width)))
+            self._drafts = DraftsInFlight(pending.tokens.reshape(-1), offsets, requests, host, drafts_event)
 
     def _to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
         """Host copies of 1-D int64 device tensors on their way (pinned, on CUDA) and the event that
@@ -155,26 +162,39 @@ class ModelRunner:
             return tensors, None
         return self.token_staging.to_host(tensors), self.token_staging.last_event
 
-    def _fill_drafts(self, sched: SchedulerOutput) -> None:
-        """Drafts of the last step (`_verify_and_draft`), once they are on the host, replace their
-        placeholders: in their requests (a step may leave a request unscheduled) and in this step."""
-        if self._drafts is None:
+    def _fill_drafts(self, sched: SchedulerOutput, on_device: bool) -> DraftsInFlight | None:
+        """The drafts of the last step (`_verify_and_draft`) for this step's inputs. A step that
+        verifies on the device with every drafting request scheduled takes them on the device (their
+        host copy is read after its wait: `_settle_drafts`); otherwise the host waits for them here."""
+        drafts, self._drafts = self._drafts, None
+        if self._unsettled is not None:  # a step that failed before its wait
+            self._settle_drafts(sched)
+        if drafts is None:
+            return None
+        self._unsettled = drafts
+        scheduled = {s.request.request_id for s in sched.scheduled if s.spec_token_ids}
+        if on_device and scheduled and all(r in scheduled for r in drafts.row_of if drafts.requests[r].spec_token_ids):
+            return drafts
+        self._settle_drafts(sched)
+        return None
+
+    def _settle_drafts(self, sched: SchedulerOutput) -> None:
+        """The last drafts' host copy replaces their placeholders: in their requests (a step may leave
+        a request unscheduled) and in this step's."""
+        drafts, self._unsettled = self._unsettled, None
+        if drafts is None:
             return
-        pending, host, event = self._drafts
-        self._drafts = None
-        if event is not None:
-            event.synchronize()
-        width = pending.tokens.shape[1]
-        flat = host.tolist()
-        row_of = {}
-        for i, slot in enumerate(pending.chained):
-            request = slot.sched.request
-            row_of[request.request_id] = row = flat[i * width:(i + 1) * width]
+        if drafts.event is not None:
+            drafts.event.synchronize()
+        flat = drafts.host.tolist()
+        for req_id, offset in drafts.row_of.items():
+            request = drafts.requests[req_id]
             if request.spec_token_ids:  # a prefix of the kept drafts (the scheduler may cut them)
-                request.spec_token_ids = row[:len(request.spec_token_ids)]
+                request.spec_token_ids = flat[offset:offset + len(request.spec_token_ids)]
         for s in sched.scheduled:
-            if s.spec_token_ids and s.request.request_id in row_of:
-                s.spec_token_ids[:] = row_of[s.request.request_id][:len(s.spec_token_ids)]
+            offset = drafts.row_of.get(s.request.request_id)
+            if offset is not None and s.spec_token_ids:
+                s.spec_token_ids[:] = flat[offset:offset + len(s.spec_token_ids)]
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """The step's output (waits for its tokens if they are still in flight)."""

@@ -186,15 +186,18 @@ def chain_metadata(seq_lens: list[int], num_active: list[int], tables: list[list
 
 def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
                       pad_block_table_to: int = 0, staging: HostStaging | None = None,
-                      prev_tokens: PendingTokens | None = None) -> StepInputs:
+                      prev_tokens: PendingTokens | None = None, drafts: DraftsInFlight | None = None) -> StepInputs:
     """Flat token ids / positions / slots and the attention metadata of one step. A request whose
-    last token is still in flight (async scheduling) gets it from `prev_tokens` on the device."""
+    last token is still in flight (async scheduling) gets it from `prev_tokens` on the device, and
+    one whose drafts are (placeholders on the host) gets them from `drafts` there."""
     input_ids: list[int] = []
     query_lens, seq_lens, tables = [], [], []
     logits_idx: list[int] = []
     logits_rows = []
     fill_dst: list[int] = []  # flat positions whose token id is on the device ...
     fill_src: list[int] = []  # ... in this row of prev_tokens
+    draft_dst: list[int] = []  # flat positions whose draft is on the device ...
+    draft_src: list[int] = []  # ... at this index of drafts.tokens
     for s in scheduled:
         req = s.request
         num_real = s.num_tokens - len(s.spec_token_ids)
@@ -205,6 +208,10 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device
             fill_dst.append(len(input_ids))
             fill_src.append(prev_tokens.row_of[req.request_id])
             input_ids.append(0)
+        if drafts is not None and s.spec_token_ids and req.request_id in drafts.row_of:
+            offset = drafts.row_of[req.request_id]
+            draft_dst += range(len(input_ids), len(input_ids) + len(s.spec_token_ids))
+            draft_src += range(offset, offset + len(s.spec_token_ids))
         input_ids += s.spec_token_ids
         query_lens.append(s.num_tokens)
         seq_lens.append(s.start + s.num_tokens)
@@ -214,12 +221,13 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device
             end = len(input_ids)
             logits_rows.append((s, len(logits_idx), count))
             logits_idx += range(end - count, end)
-    extra = [np.asarray(input_ids, dtype=np.int64), np.asarray(logits_idx, dtype=np.int64),
-             np.asarray(fill_dst, dtype=np.int64), np.asarray(fill_src, dtype=np.int64)]
-    positions, meta, (ids, logits_indices, dst, src) = batch_metadata(
+    extra = [np.asarray(a, dtype=np.int64) for a in (input_ids, logits_idx, fill_dst, fill_src, draft_dst, draft_src)]
+    positions, meta, (ids, logits_indices, dst, src, ddst, dsrc) = batch_metadata(
         query_lens, seq_lens, tables, block_size, device, pad_block_table_to, staging, extra)
     if fill_dst:
         ids[dst] = prev_tokens.tokens[src]
+    if draft_dst:
+        ids[ddst] = drafts.tokens[dsrc]
     return StepInputs(input_ids=ids, positions=positions, meta=meta, logits_indices=logits_indices,
                       logits_rows=logits_rows)
 
@@ -232,4 +240,19 @@ class PendingTokens:
     tokens: torch.Tensor  # [num_rows] int64, device
     row_of: dict[str, int]  # request id -> row
     host: torch.Tensor  # [num_rows] int64, host (pinned on CUDA), valid once `event` completed
+    event: torch.cuda.Event | None
+
+
+DRAFT_PLACEHOLDER = -1  # a draft the host does not have yet (its value is on the device): never a model input
+
+
+@dataclass
+class DraftsInFlight:
+    """Drafts a step made on the device for the next one: the next step's inputs take them there
+    (`build_step_inputs`), and their host copy replaces the scheduler's placeholders later."""
+
+    tokens: torch.Tensor  # [num_drafting * K] int64, device: each drafting request's row of K
+    row_of: dict[str, int]  # request id -> the offset of its row in `tokens`
+    requests: dict  # request id -> its Request (whose `spec_token_ids` hold placeholders)
+    host: torch.Tensor  # `tokens` on the host (pinned on CUDA), valid once `event` completed
     event: torch.cuda.Event | None

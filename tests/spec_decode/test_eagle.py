@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.engine.model_runner import DRAFT_PLACEHOLDER
+from specserve.engine.step_inputs import DRAFT_PLACEHOLDER
 from specserve.engine.executor import ModelExecutor
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import load_model
@@ -236,28 +236,35 @@ def test_drafting_on_the_device_up_to_the_context_limit(tiny_llama_dir, trained_
 
 def test_drafting_on_the_device_waits_for_the_verification_only(tiny_llama_dir, trained_head_dir):
     """A drafting step's host wait covers its tokens, not the next step's drafts: the next step is
-    scheduled while they are on their way (its drafts are placeholders of the right number until its
-    launch fills them in), the target never sees a placeholder, and output is the target's."""
+    scheduled, and its inputs built, while the drafts are on the device (the host holds placeholders
+    of the right number; the inputs take the drafts on the device), the target never sees a
+    placeholder, the host has the real drafts once the step returns, and output is the target's."""
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"],
               speculative_config=eagle_config(trained_head_dir, 3))
     runner = llm.engine.runner
     llm.engine.proposer.drafts_on_device = True
-    unfilled, smallest_input = [], []
+    unfilled, after, smallest_input, launching = [], [], [], []
     launch, forward = runner.launch, runner.target.forward
 
+    def placeholders(sched) -> int:
+        return sum(s.spec_token_ids.count(DRAFT_PLACEHOLDER) for s in sched.scheduled)
+
     def spy_launch(sched, prev=None, defer=False):
-        unfilled.append(sum(s.spec_token_ids.count(DRAFT_PLACEHOLDER) for s in sched.scheduled))
-        return launch(sched, prev, defer)
+        launching[:] = [sched]
+        step = launch(sched, prev, defer)
+        after.append(placeholders(sched))
+        return step
 
     def spy_forward(input_ids, positions, meta, **inputs):
+        unfilled.append(placeholders(launching[0]))  # drafts the host has not read when the target runs
         smallest_input.append(int(input_ids.min()))
         return forward(input_ids, positions, meta, **inputs)
 
     runner.launch, runner.target.forward = spy_launch, spy_forward
     outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference(tiny_llama_dir, "mixed")
-    assert sum(unfilled) > 0, "every step was scheduled with its drafts on the host: the case did not run"
-    assert min(smallest_input) >= 0
+    assert sum(unfilled) > 0, "every step had its drafts on the host before its forward: the case did not run"
+    assert min(smallest_input) >= 0 and sum(after) == 0
     assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
