@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from specserve.engine.outputs import ScheduledRequest
-from specserve.models.layers.attention import AttentionMetadata
+from specserve.models.layers.attention import PAD_SLOT_ID, AttentionMetadata
 
 
 @dataclass
@@ -127,11 +127,12 @@ def _padded_tables(tables: list[list[int]], min_width: int = 0) -> np.ndarray:
 
 def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
                    device: torch.device, pad_block_table_to: int = 0, staging: HostStaging | None = None,
-                   extra_int64: list[np.ndarray] = ()
+                   extra_int64: list[np.ndarray] = (), padding_from: int | None = None
                    ) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
     """Positions [num_tokens] and attention metadata of a flat ragged batch: request i computes the
     last query_lens[i] of its seq_lens[i] tokens, whose KV lives in the blocks tables[i].
-    `extra_int64` arrays travel to the device in the same copy; they come back as the third result."""
+    `extra_int64` arrays travel to the device in the same copy; they come back as the third result.
+    `padding_from`: the tokens from this one on are padding, whose KV is not written (PAD_SLOT_ID)."""
     staging = staging or _staging_for(device)
     num_reqs = len(query_lens)
     q_lens = np.asarray(query_lens, dtype=np.int64)
@@ -144,6 +145,8 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
     req_of_token = np.repeat(np.arange(num_reqs), q_lens)
     positions = np.arange(num_tokens) - (cu[:-1] - s_lens + q_lens)[req_of_token]
     slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    if padding_from is not None:
+        slots[padding_from:] = PAD_SLOT_ID
     long_parts = staging.to_device([positions, slots, *extra_int64], torch.int64)
     cu_d, s_lens_d, bt_d = staging.to_device([cu, s_lens, block_tables.ravel()], torch.int32)
     meta = AttentionMetadata(

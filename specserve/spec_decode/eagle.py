@@ -79,6 +79,7 @@ class EagleProposer:
         # plain greedy steps draft through draft_on_device: on CUDA (set by bind); the same code runs on
         # the CPU when this is set there (the tests do), with the chain run eagerly
         self.drafts_on_device = False
+        self.pad_catch_up = False  # draft_on_device pads its catch-up's rows (`_padding`): on CUDA
 
     def bind(self, binding: ProposerBinding) -> None:
         assert binding.draft is not None, "the engine builds an executor for the declared draft_model"
@@ -88,7 +89,7 @@ class EagleProposer:
         self.entries = DraftEntries(binding.draft.block_size, binding.draft.kv_cache.shape[2])
         self._hidden = binding.draft.slot_states["hidden_states"]
         self.policy.bind(binding)
-        self.drafts_on_device = binding.draft.device.type == "cuda"
+        self.drafts_on_device = self.pad_catch_up = binding.draft.device.type == "cuda"
 
     def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """CUDA: the greedy chain of drafts as one graph per (batch size, k) (spec_decode/eagle_chain.py)."""
@@ -224,20 +225,40 @@ class EagleProposer:
             return pending
         ks = [slot.k for slot in chained]
         ex = self.executor
+        padding = self._padding(num_rows, tables) if self.pad_catch_up else []
+        if padding:  # requests that compute nothing, reading the zero state, writing no KV
+            num_pad = sum(padding)
+            query_lens += padding
+            seq_lens += padding
+            tables += [[] for _ in padding]
+            picks += [0] * num_pad
+            sources.append(np.full(num_pad, self._hidden.shape[0] - 1))
         positions, meta, (host_d, picks_d, src_d, ks_d, which_d, bases_d, lens_d) = batch_metadata(
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
             extra_int64=[np.asarray(a, dtype=np.int64) for a in (host_ids, picks)] +
-            [np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, which, bases, lens)])
+            [np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, which, bases, lens)],
+            padding_from=num_rows if padding else None)
         ids_d = torch.cat([step.argmax, host_d])[picks_d]
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
         n = step.num_accepted[which_d]
         newest, context_lens = g[bases_d + n], lens_d + n
         chain = self.chain_graphs
         if chain is not None and chain.can_run(len(ks), max(ks)):
-            pending.tokens = chain.run(newest, context_lens.int(), ks_d, meta.block_tables, max(ks))
+            tables_d = meta.block_tables[:len(chained)]
+            pending.tokens = chain.run(newest, context_lens.int(), ks_d, tables_d, max(ks))
         else:  # eager (the CPU): the chain's metadata needs the context lengths on the host
             pending.tokens, _ = self._chain(newest, chained, context_lens.tolist())
         return pending
+
+    def _padding(self, num_rows: int, tables: list[list[int]]) -> list[int]:
+        """Query lengths of padding requests that bring a catch-up of `num_rows` rows to the next
+        power of two: GEMMs of a new row count pay for cuBLAS's choice of kernel and the allocator's
+        new blocks on the host (several ms a catch-up at a drafting spell's start, on an H200), where
+        a bucketed count meets the ones seen before. Each padding request stays within the positions
+        of the widest block table (a zero-padded row of the batch's tables: block 0, only read)."""
+        pad = (1 << (num_rows - 1).bit_length()) - num_rows
+        span = max(len(t) for t in tables) * self.entries.block_size
+        return [min(span, pad - i) for i in range(0, pad, span)]
 
     def drafted(self, pending: DeviceDrafts, out: ModelRunnerOutput) -> dict[str, int]:
         """After `draft_on_device`, with the step's tokens on the host (the drafts may still be on the

@@ -166,13 +166,15 @@ def test_greedy_identity_with_adaptive_k_and_async_steps(tiny_llama_dir, trained
 
 
 # -- drafting on the device: one host wait per step ------------------------------------------------
-def _run_on_device(model_dir, args: str, spec: dict, on_device: bool, prompts=None, params=GREEDY, **engine):
+def _run_on_device(model_dir, args: str, spec: dict, on_device: bool, prompts=None, params=GREEDY,
+                   pad: bool = False, **engine):
     """Generate with the EAGLE proposer drafting on the device or not (on the CPU the device path is
-    the same code as on CUDA, with the chain run eagerly); counts its `draft_on_device` calls."""
+    the same code as on CUDA, with the chain run eagerly; `pad`: its catch-ups padded, as on CUDA);
+    counts its `draft_on_device` calls."""
     llm = LLM(str(model_dir), dtype="float32", device="cpu", **{**ENGINE_ARGS[args], **engine},
               speculative_config=spec)
     proposer = llm.engine.proposer
-    proposer.drafts_on_device = on_device
+    proposer.drafts_on_device, proposer.pad_catch_up = on_device, pad
     calls = []
     draft = proposer.draft_on_device
     proposer.draft_on_device = lambda step: calls.append(step) or draft(step)
@@ -197,6 +199,35 @@ def test_drafting_on_the_device_drafts_as_the_host_path(tiny_llama_dir, trained_
     assert host[2] == 0 and device[2] > 0, "the device path did not run"
     assert device[0] == host[0] == reference(tiny_llama_dir, args)
     assert device[1] == host[1] and 0 < host[1][2] < host[1][1]
+
+
+@pytest.mark.parametrize("args", ["mixed", "preempt"])
+def test_padded_catch_ups_draft_as_unpadded_ones(tiny_llama_dir, trained_head_dir, args):
+    """Catch-ups padded to a power of two of rows (padding requests that read block 0 and write no
+    KV: the head's forward meets few shapes) draft and accept exactly as unpadded ones, and output is
+    the target's (fp32: prefix hits, chunked prefill, preemption)."""
+    from specserve.spec_decode import eagle
+
+    spec = eagle_config(trained_head_dir, 3)
+    metadata = eagle.batch_metadata
+    rows = {False: [], True: []}
+    runs = {}
+    for pad in (False, True):
+        def spy(query_lens, *a, pad=pad, **k):
+            rows[pad].append(sum(query_lens))
+            return metadata(query_lens, *a, **k)
+
+        eagle.batch_metadata = spy
+        try:
+            runs[pad] = _run_on_device(tiny_llama_dir, args, spec, True, pad=pad)
+        finally:
+            eagle.batch_metadata = metadata
+    def power_of_two(n: int) -> bool:
+        return n & (n - 1) == 0
+
+    assert not all(map(power_of_two, rows[False])), "every catch-up was a power of two: the case did not run"
+    assert rows[True] and all(map(power_of_two, rows[True]))
+    assert runs[True][:2] == runs[False][:2] and runs[False][0] == reference(tiny_llama_dir, args)
 
 
 def test_drafting_on_the_device_with_adaptive_k_async_steps_and_random_requests(tiny_llama_dir, trained_head_dir):

@@ -52,6 +52,8 @@ class TorchAttentionBackend:
         groups = [g for g in (decodes, short) if g]
         groups += [[i] for i, q in enumerate(meta.query_lens_cpu) if q > SHORT_QUERY_MAX]
         meta.extra["torch_groups"] = [self._build_group(meta, g) for g in groups]
+        written = meta.slot_mapping >= 0  # PAD_SLOT_ID rows (padding) write nothing
+        meta.extra["torch_written"] = None if bool(written.all()) else written.nonzero().squeeze(1)
 
     def _build_group(self, meta: AttentionMetadata, reqs: list[int]) -> _Group:
         device = meta.block_tables.device
@@ -79,8 +81,13 @@ class TorchAttentionBackend:
                 sliding_window: int | None = None) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kvh, d]
-        flat_cache[0].index_copy_(0, meta.slot_mapping, key)
-        flat_cache[1].index_copy_(0, meta.slot_mapping, value)
+        rows = meta.extra.get("torch_written")
+        if rows is None:
+            flat_cache[0].index_copy_(0, meta.slot_mapping, key)
+            flat_cache[1].index_copy_(0, meta.slot_mapping, value)
+        else:
+            flat_cache[0].index_copy_(0, meta.slot_mapping[rows], key[rows])
+            flat_cache[1].index_copy_(0, meta.slot_mapping[rows], value[rows])
         out = torch.empty_like(query)
         for g in meta.extra["torch_groups"]:
             batch = g.q_index.shape[0]
