@@ -82,7 +82,8 @@ class ModelRunner:
         device. With `defer` (only for steps whose requests all sample plainly, one token each, with no
         drafts to verify and an idle proposer) the sampled ids stay on the device and `collect` fetches
         them later; otherwise the step is finished here."""
-        on_device = self._drafts_on_device(sched)
+        # a deferred step verifies no drafts (so takes none): its requests need not be looked at
+        on_device = not defer and self._drafts_on_device(sched)
         drafts = self._fill_drafts(sched, on_device)
         self.generators.forget(sched.finished_req_ids)
         if self.proposer is not None:

@@ -534,9 +534,8 @@ def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
     """`Proposer.idle` for proposers driven by the policy: after this step (which verifies no drafts)
     no draft could pay off at this batch size, whatever it samples (the policy's cheap test)."""
     num_sampled = sum(1 for s in sched.scheduled if s.sample)
-    num_base = _next_base_tokens(sched)
     return (num_sampled == 0 or policy.probing() or policy.plans_nothing(num_sampled)
-            or not policy.worth_trying(num_sampled, num_base))
+            or not policy.worth_trying(num_sampled, _next_base_tokens(sched)))
 
 
 def skipped(policy: AdaptiveK, sched: SchedulerOutput) -> None:

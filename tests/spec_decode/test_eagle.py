@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.engine.step_inputs import DRAFT_PLACEHOLDER
 from specserve.engine.executor import ModelExecutor
+from specserve.engine.step_inputs import DRAFT_PLACEHOLDER
 from specserve.models.layers.attention import get_attention_backend
 from specserve.models.loader import load_model
 from specserve.spec_decode.eagle_head import EagleHead, head_config, load_head, save_head, target_weights
@@ -222,6 +222,7 @@ def test_padded_catch_ups_draft_as_unpadded_ones(tiny_llama_dir, trained_head_di
             runs[pad] = _run_on_device(tiny_llama_dir, args, spec, True, pad=pad)
         finally:
             eagle.batch_metadata = metadata
+
     def power_of_two(n: int) -> bool:
         return n & (n - 1) == 0
 

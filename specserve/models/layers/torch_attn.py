@@ -53,7 +53,8 @@ class TorchAttentionBackend:
         groups += [[i] for i, q in enumerate(meta.query_lens_cpu) if q > SHORT_QUERY_MAX]
         meta.extra["torch_groups"] = [self._build_group(meta, g) for g in groups]
         written = meta.slot_mapping >= 0  # PAD_SLOT_ID rows (padding) write nothing
-        meta.extra["torch_written"] = None if bool(written.all()) else written.nonzero().squeeze(1)
+        rows = None if bool(written.all()) else written.nonzero().squeeze(1)
+        meta.extra["torch_written"] = None if rows is None else (rows, meta.slot_mapping[rows])
 
     def _build_group(self, meta: AttentionMetadata, reqs: list[int]) -> _Group:
         device = meta.block_tables.device
@@ -81,13 +82,14 @@ class TorchAttentionBackend:
                 sliding_window: int | None = None) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kvh, d]
-        rows = meta.extra.get("torch_written")
-        if rows is None:
+        written = meta.extra.get("torch_written")  # (rows, their slots) when some rows are padding
+        if written is None:
             flat_cache[0].index_copy_(0, meta.slot_mapping, key)
             flat_cache[1].index_copy_(0, meta.slot_mapping, value)
         else:
-            flat_cache[0].index_copy_(0, meta.slot_mapping[rows], key[rows])
-            flat_cache[1].index_copy_(0, meta.slot_mapping[rows], value[rows])
+            rows, slots = written
+            flat_cache[0].index_copy_(0, slots, key[rows])
+            flat_cache[1].index_copy_(0, slots, value[rows])
         out = torch.empty_like(query)
         for g in meta.extra["torch_groups"]:
             batch = g.q_index.shape[0]
