@@ -1,8 +1,9 @@
 """Where a speculative engine step's time goes: the mean wall time of decode steps, with and without
 speculation (and the slowest steps: one-off stalls such as kernel compiles), the wall time inside the
 step's phases (timers around the runner, rejection sampler, proposer and scheduler: a phase that
-waits for the device shows the wait), then cProfile over the same steps (our functions by cumulative
-and own time; cProfile inflates Python-heavy code, so read its shares, not its seconds).
+waits for the device shows the wait), then cProfile over the same steps, with and without
+speculation (our functions by cumulative and own time; cProfile inflates Python-heavy code, so read
+its shares, not its seconds).
 
     python bench/spec_profile.py --device cuda --load-format dummy --model llama-3.1-8b \
         --eagle dummy --eagle-acceptance 0.43 0.44 0.57 0.41 --concurrency 1 16 64
@@ -143,11 +144,14 @@ def main() -> int:
         for name, llm in engines.items():
             decode_steps(llm, c, args, None)  # warm-up: this level's shapes
             row[name] = decode_steps(llm, c, args, None)
-        profile = cProfile.Profile()
-        row["eagle_profiled"] = decode_steps(engines["eagle"], c, args, profile)
+        profiles = {name: cProfile.Profile() for name in engines}
+        for name, llm in engines.items():
+            row[f"{name}_profiled"] = decode_steps(llm, c, args, profiles[name])
         print(f"== c={c}: {json.dumps(row)}", flush=True)
-        print(top(profile, "cumulative", args.top), flush=True)
-        print(top(profile, "tottime", args.top), flush=True)
+        for name, profile in profiles.items():
+            print(f"-- {name}, c={c}", flush=True)
+            print(top(profile, "cumulative", args.top), flush=True)
+            print(top(profile, "tottime", args.top), flush=True)
         results["levels"].append(row)
     if args.out:
         with open(args.out, "w") as f:

@@ -126,9 +126,11 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
     if device.type == "cuda" and not config.enforce_eager and backend.name == "triton" \
             and cuda_graph_safe(loaded.model, draft):
         k = config.spec.num_speculative_tokens if config.spec else 0
-        # a draft's catch-up forwards (bonus token + accepted drafts) are 1 + k tokens at most too
+        # the target's steps compute 1 + k tokens per request at most; a draft model's forwards are
+        # what its proposer says
         for executor in executors:
-            executor.capture_graphs(max_len, sc.max_num_seqs, (1, 1 + k))
+            lens = (1, 1 + k) if executor is executors[0] else proposer.draft_query_lens
+            executor.capture_graphs(max_len, sc.max_num_seqs, lens)
         if proposer is not None:
             proposer.capture_graphs(max_len, sc.max_num_seqs)
     logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, attention %s", num_blocks,

@@ -90,7 +90,11 @@ class DecodeGraphs:
                     self.sizes[0], self.sizes[-1], self.query_lens, time.perf_counter() - t0)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return meta.max_query_len <= self.query_lens[-1] and meta.num_reqs <= self.sizes[-1]
+        return self.holds(meta.num_reqs, meta.max_query_len)
+
+    def holds(self, num_reqs: int, max_query_len: int) -> bool:
+        """Is a graph captured for a step of `num_reqs` requests computing at most `max_query_len` tokens each?"""
+        return max_query_len <= self.query_lens[-1] and num_reqs <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             **inputs: torch.Tensor) -> torch.Tensor:

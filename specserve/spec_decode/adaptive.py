@@ -8,7 +8,9 @@ bf16 the verification shapes k implies can flip near-ties: docs/speculative.md, 
 - a target forward over N tokens costs `costs(N)` steps (specserve/spec_decode/costs.py): analytically
   `1 + N / compute_bound_tokens` (reading the weights once, plus compute per token; the sum, not
   the max: conservative), or interpolated from a start-up profile (the CPU default);
-- each autoregressive draft-model step costs `draft_cost` target steps (0 for n-gram lookup);
+- each autoregressive draft-model step costs `draft_cost` target steps (0 for n-gram lookup), or,
+  when its device time is known (`draft_seconds`: an EAGLE chain's graph), that time over the plain
+  step's measured one (a target whose host sets the pace takes longer per step than its device time);
 - request r accepts a draft (given the previous one was accepted) with probability alpha_r,
   estimated from verifications (decayed counts plus a prior) under a key the proposer chooses:
   per request for a draft model or an EAGLE head, whose prior is then the acceptance of all
@@ -68,6 +70,7 @@ class AdaptiveK:
         self.profile_on_bind = False  # measure `costs` when the proposer binds (CPU default)
         self.measure_draft_cost = False  # ... and the draft model's step cost
         self.draft_cost = draft_cost
+        self.draft_seconds: float | None = None  # a draft step's device seconds, where measured
         self.prior, self.prior_weight = prior, prior_weight
         # a prior per key (n-gram: by match length), and the best prior any key can have
         self.prior_of: Callable[[Hashable], float] = lambda key: prior
@@ -328,7 +331,7 @@ class AdaptiveK:
         unit = self.guard.plain_unit(num_base_tokens)
         if unit is None:
             return
-        modelled = self.costs(num_base_tokens + num_draft_tokens) + num_draft_steps * self.draft_cost
+        modelled = self.costs(num_base_tokens + num_draft_tokens) + num_draft_steps * self._draft_cost(num_base_tokens)
         sample = min(max(seconds / unit - modelled, 0.0), 3.0 * self.costs(num_base_tokens))
         self.step_overhead = 0.8 * self.step_overhead + 0.2 * sample
 
@@ -360,7 +363,16 @@ class AdaptiveK:
         """What `num_spec` drafts (and `num_draft_steps` draft-model steps) add to a step over
         `num_base_tokens` tokens."""
         target = self.costs(num_base_tokens + num_spec) - self.costs(num_base_tokens)
-        return target + num_draft_steps * self.draft_cost + self.step_overhead
+        return target + num_draft_steps * self._draft_cost(num_base_tokens) + self.step_overhead
+
+    def _draft_cost(self, num_base_tokens: int) -> float:
+        """What one draft step adds to a step over `num_base_tokens` tokens, in plain-step units: its
+        device seconds against the guard's recent plain-step time where both are known, at most
+        `draft_cost` (the device-time ratio: where the host sets the pace, a plain step takes longer
+        than its device time, and a draft step queued behind the verification adds little more than
+        its own device time)."""
+        unit = self.guard.plain_unit(num_base_tokens) if self.draft_seconds is not None else None
+        return min(self.draft_cost, self.draft_seconds / unit) if unit else self.draft_cost
 
     def plan(self, rooms: dict[str, int], num_base_tokens: int, max_spec_tokens: int,
              keys: dict[str, Hashable] | None = None) -> dict[str, int]:
@@ -373,6 +385,11 @@ class AdaptiveK:
         ks = dict.fromkeys(rooms, 0)
         self._predicted_accepted, self._cost_ratio = 0.0, 1.0
         self._skips_since_plan = 0
+        if not any(rooms.values()):
+            # every request ends with this step's tokens: no verdict on drafting (a spell goes on
+            # with the requests that come next, which plan at once)
+            self._plan_steps = -1
+            return ks
         if max_spec_tokens <= 0 or self.probing() or self.guard.wants_probe(num_base_tokens):
             if not self.probing() and self.async_steps and max_spec_tokens > 0:
                 self._probe_left = 4  # a few plain steps, deferred: the middle two are timeable
@@ -404,9 +421,10 @@ class AdaptiveK:
         margin = self._margin(len(rooms))
         plain = (float(len(rooms)), base_cost, ks, 0.0)  # (tokens, cost, ks, gain the model predicts)
         best = None
-        for max_steps in (range(1, self.max_k + 1) if self.draft_cost else (self.max_k,)):
+        draft_cost = self._draft_cost(num_base_tokens)
+        for max_steps in (range(1, self.max_k + 1) if draft_cost else (self.max_k,)):
             plan = self._plan_with(order, alphas, rooms, extra, max_spec_tokens, max_steps, trust, base_cost,
-                                   margin)
+                                   margin, draft_cost)
             tokens, cost = plan[0], plan[1]
             # the drafts' tokens per unit of all they cost, draft steps included, must beat the
             # plain step's by the margin
@@ -439,11 +457,11 @@ class AdaptiveK:
 
     def _plan_with(self, order: list[str], alphas: dict[str, float], rooms: dict[str, int],
                    extra: Callable[[int], float], max_spec_tokens: int, max_steps: int, trust: float,
-                   base_cost: float, margin: float) -> tuple[float, float, dict[str, int], float]:
-        """`plan` with at most `max_steps` draft steps, paid for up front (when some request drafts):
-        (expected tokens, cost, ks, the model's gain without the guard's scaling)."""
+                   base_cost: float, margin: float, draft_cost: float) -> tuple[float, float, dict[str, int], float]:
+        """`plan` with at most `max_steps` draft steps of `draft_cost` each, paid for up front (when
+        some request drafts): (expected tokens, cost, ks, the model's gain without the guard's scaling)."""
         ks = dict.fromkeys(rooms, 0)
-        fixed = max_steps * self.draft_cost + self.step_overhead
+        fixed = max_steps * draft_cost + self.step_overhead
         tokens, num_spec, model_gain = float(len(rooms)), 0, 0.0
         cost = base_cost + fixed
         for req_id in order:

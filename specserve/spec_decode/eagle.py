@@ -67,6 +67,9 @@ class EagleProposer:
         self.policy = policy
         self.cache_identity = ("eagle", *identity)
         self.num_lookahead_tokens = num_speculative_tokens  # the chain's entries past the newest token
+        # a catch-up computes 1 + k rows per drafting request (its verified rows), one more after a
+        # step it did not draft in; the eager chain (random requests) one per request
+        self.draft_query_lens = (1, 2 + num_speculative_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = 0
         self.executor: ModelExecutor | None = None  # set by bind
@@ -101,11 +104,13 @@ class EagleProposer:
         if target_s:
             # a draft step's cost as this GPU runs it: the chain's graph per draft against the target's
             # one-request decode graph (the head's share of the parameters overrates it where the
-            # host, not the device, sets the pace: each graph is one launch); not under tensor
-            # parallelism (the target's graphs replay on every rank together)
+            # host, not the device, sets the pace: each graph is one launch), and its seconds, which
+            # the policy prices against the plain step's measured time once it has one; not under
+            # tensor parallelism (the target's graphs replay on every rank together)
             k = self.num_lookahead_tokens
             chain_s = replay_seconds(self.chain_graphs.graphs[(1, k)])
             self.policy.draft_cost = chain_s / k / target_s
+            self.policy.draft_seconds = chain_s / k
             logger.info("EAGLE draft step: %.1f us, %.3f of a one-request target step (%.1f us)", 1e6 * chain_s / k,
                         self.policy.draft_cost, 1e6 * target_s)
 
@@ -225,7 +230,8 @@ class EagleProposer:
             return pending
         ks = [slot.k for slot in chained]
         ex = self.executor
-        padding = self._padding(num_rows, tables) if self.pad_catch_up else []
+        graphed = ex.graphs is not None and ex.graphs.holds(len(query_lens), max(query_lens))
+        padding = self._padding(num_rows, tables) if self.pad_catch_up and not graphed else []
         if padding:  # requests that compute nothing, reading the zero state, writing no KV
             num_pad = sum(padding)
             query_lens += padding
@@ -251,11 +257,13 @@ class EagleProposer:
         return pending
 
     def _padding(self, num_rows: int, tables: list[list[int]]) -> list[int]:
-        """Query lengths of padding requests that bring a catch-up of `num_rows` rows to the next
-        power of two: GEMMs of a new row count pay for cuBLAS's choice of kernel and the allocator's
-        new blocks on the host (several ms a catch-up at a drafting spell's start, on an H200), where
-        a bucketed count meets the ones seen before. Each padding request stays within the positions
-        of the widest block table (a zero-padded row of the batch's tables: block 0, only read)."""
+        """Query lengths of padding requests that bring an eager catch-up of `num_rows` rows to the
+        next power of two: GEMMs of a new row count pay for cuBLAS's choice of kernel and the
+        allocator's new blocks on the host (several ms a catch-up at a drafting spell's start, on an
+        H200), where a bucketed count meets the ones seen before. (A catch-up a CUDA graph holds, as
+        a drafting spell's steady steps are, is not padded: its graph pads the batch.) Each padding
+        request stays within the positions of the widest block table (a zero-padded row of the
+        batch's tables: block 0, only read)."""
         pad = (1 << (num_rows - 1).bit_length()) - num_rows
         span = max(len(t) for t in tables) * self.entries.block_size
         return [min(span, pad - i) for i in range(0, pad, span)]

@@ -75,6 +75,7 @@ class _Context:
 
 class NgramProposer:
     num_lookahead_tokens = 0
+    draft_query_lens = ()
     cache_identity = None
     draft_model = None
     drafts_on_device = False  # lookups read the tokens on the host

@@ -79,6 +79,8 @@ class Proposer(Protocol):
     cache_identity: tuple | None
     #: a model the engine must run over the shared block ids (KV, graphs), or None.
     draft_model: LlamaForCausalLM | None
+    #: the query lengths (tokens per request) of the draft model's forwards to capture CUDA graphs for.
+    draft_query_lens: tuple[int, ...]
     #: drafts plain greedy steps through `draft_on_device` / `drafted` (step 4 above).
     drafts_on_device: bool
 

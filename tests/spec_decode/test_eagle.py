@@ -380,7 +380,8 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, request):
     """On a GPU (triton backend): the greedy chain replayed from one CUDA graph per (batch, k) drafts
     what the eager chain drafts, drafting on the device what the host path drafts (same acceptance,
     fp32), and output is the torch backend's; also with a head that fuses target layers (the
-    target's graphs return them)."""
+    target's graphs return them). The head's steady catch-ups (1 + k rows, one more after a step
+    without drafts) replay its executor's graphs, captured for up to 2 + k tokens per request."""
     prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
     args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
                 max_num_batched_tokens=64, speculative_config=eagle_config(request.getfixturevalue(head), 3))
@@ -393,14 +394,19 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, request):
         assert (chain is not None) == (name in ("graph", "host"))
         assert llm.engine.proposer.drafts_on_device  # on CUDA: verification and drafting with one wait
         llm.engine.proposer.drafts_on_device = name != "host"
-        replays = []
+        replays, catch_ups, graphed = [], [], []
         if chain is not None:
             chain.run = lambda *a, _run=chain.run, _replays=replays: _replays.append(1) or _run(*a)
+            head = llm.engine.proposer.executor
+            assert head.graphs.query_lens == (1, 2 + 3)
+            head.graphs.run = lambda *a, _run=head.graphs.run, _seen=graphed, **kw: _seen.append(1) or _run(*a, **kw)
+            head.forward = lambda *a, _run=head.forward, _seen=catch_ups, **kw: _seen.append(1) or _run(*a, **kw)
         outs = llm.generate(prompts, GREEDY)
         stats = llm.engine.stats()
         runs[name] = ([o.outputs[0].token_ids for o in outs], stats["spec_decode_num_drafts"],
                       stats["spec_decode_num_accepted_tokens"])
         assert name != "graph" or len(replays) > 0
+        assert chain is None or len(graphed) > len(catch_ups) / 2  # the rest: after prefills and gaps
     assert runs["graph"] == runs["eager"] == runs["host"]
     assert runs["graph"][0] == runs["torch"][0] and runs["graph"][2] > 0
 

@@ -393,3 +393,39 @@ def test_the_engine_warm_up_teaches_adaptive_k_nothing(tiny_llama_dir):
     assert llm.engine.warmup_seconds > 0
     assert policy.guard.num_steps == 0 and not policy.guard._unit and not policy._est
     assert policy._plan_steps == -1 and policy.step_overhead == 0.0
+
+
+def test_a_request_that_ends_does_not_stop_the_spell():
+    """One request at a time: the step that ends a request plans no drafts for it (no room). That is
+    no verdict on drafting: the next request's first step plans at once and the spell goes on
+    (before, it counted as a plan that drafts nothing, and the next request ran its first nine steps
+    without drafts, a sixth of a 128-token answer)."""
+    p = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.035)
+    p.shared_prior, p.prior_weight, p.async_steps = True, 16.0, True
+    assert p.plan({"a": 100}, 1, 8192)["a"] > 0
+    assert p.plan({"a": 0}, 1, 8192) == {"a": 0}
+    assert not p.plans_nothing(1)
+    assert p.plan({"b": 100}, 1, 8192)["b"] > 0
+    assert p._spell == 2  # the plans that drafted, in a row
+
+
+def test_a_draft_step_is_priced_by_its_seconds_against_the_plain_steps():
+    """A head's chain on an H200 takes 30 us per draft against a 300 us decode graph (0.1 of a target
+    step by device time), but where the host sets the pace a plain step takes 1.03 ms: a draft
+    step then costs 0.03 of a plain step, and a request whose drafts are accepted at 0.59 gets k = 4
+    (priced at 0.1, k = 3)."""
+    def planned(draft_seconds):
+        p = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.1)
+        p.draft_seconds = draft_seconds
+        p.step_overhead = 0.4
+        for _ in range(4):  # deferred plain steps of one request, as the guard times them
+            p.guard.observe(1, p.costs(1), 1.03e-3, 0, 0, 0)
+        for _ in range(20):
+            p.observe("a", 4, 1)
+            p.observe("a", 4, 2)
+        return p, p.plan({"a": 100}, 1, 8192)["a"]
+
+    p, k = planned(30e-6)
+    assert abs(p._draft_cost(1) - 30e-6 / (1.03e-3 / p.costs(1))) < 1e-9 and k == 4
+    assert planned(None)[1] == 3
+    assert planned(1.0)[0]._draft_cost(1) == 0.1  # never above the device-time ratio
