@@ -73,7 +73,7 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
         self.async_scheduling = bool(parts.config.scheduler.async_scheduling)  # resolved by the builder
-        self._inflight = None  # a launched step whose sampled tokens are still on the device
+        self._inflight = None  # a launched step whose tokens are still on the device (LaunchedStep)
         self._touched: dict[str, _Group] = {}  # groups with news since the last step() returned
         self.outputs = OutputProcessor(self.tokenizer)  # text for the requests of add_request
         self.num_deferred_steps = 0  # steps left in flight by async scheduling
@@ -334,6 +334,9 @@ class LLMEngine:
         launches its successor (whose inputs take the in-flight tokens on the device) before waiting
         for it, so the host's scheduling and bookkeeping overlap the device's work. Its tokens then
         come one call later, and a request that stops may have computed one extra token, discarded.
+        A step that verifies drafts and drafts the next ones on the device is also left in flight, and
+        collected when the next call begins, before it schedules: the host hands the tokens of the
+        step before it to the caller (text, streams) while the device verifies and drafts.
 
         A step that raises fails no request by itself: see `isolation.py`. Requests found to make
         steps fail end, and `take_failures()` says which and why."""
@@ -358,6 +361,10 @@ class LLMEngine:
         return failures
 
     def _step(self) -> None:
+        if self._inflight is not None and self._inflight.verifying is not None:
+            # a verification in flight: its tokens decide what the next step computes
+            self._stepping = (self._inflight.sched, None)
+            self._drain()
         if self._compiling:
             self._admit_compiled()
         sched = self.scheduler.schedule()
@@ -368,10 +375,15 @@ class LLMEngine:
             self._drain()  # a step finished here sees every earlier token on the host (proposers need them)
         launched = self.runner.launch(sched, prev=self._inflight, defer=defer)
         self._drain()
-        self.scheduler.advance(sched)
+        if launched.verifying is None:  # a verification advances when collected (`_finish`)
+            self.scheduler.advance(sched)
         if launched.pending is not None:
             self._inflight = launched
             self.num_deferred_steps += 1
+        elif launched.verifying is not None and self.async_scheduling and not self.scheduler.isolate:
+            # collected when the next step begins: the tokens of the steps before it reach the user
+            # (and the user's next requests the engine) while the device verifies and drafts
+            self._inflight = launched
         else:
             self._finish(launched)
 
@@ -401,7 +413,10 @@ class LLMEngine:
             self._finish(launched)
 
     def _finish(self, launched) -> None:
+        verifying = launched.verifying is not None
         result = self.runner.collect(launched)
+        if verifying:  # its host books (the drafts each request keeps) see the request before the step
+            self.scheduler.advance(launched.sched)
         self.spec_stats.observe(launched.sched, result)
         for request in self.scheduler.resolve(launched.sched, result):
             group = self._child_to_group.get(request.request_id)

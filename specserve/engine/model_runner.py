@@ -28,11 +28,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LaunchedStep:
-    """A step handed to the device: either finished (`result`) or with its tokens still in flight."""
+    """A step handed to the device: finished (`result`), or with its tokens still in flight: a plain
+    step's sampled ids (`pending`, which the next step's inputs take on the device), or a
+    verification and the next drafts (`verifying`, whose tokens the host needs before scheduling
+    again). `ModelRunner.collect` finishes either."""
 
     sched: SchedulerOutput
     result: ModelRunnerOutput | None = None
     pending: PendingTokens | None = None
+    verifying: _Verifying | None = None
+
+
+@dataclass
+class _Verifying:
+    """`_verify_and_draft`'s work in flight: what its host half (`_verified`) needs."""
+
+    out: ModelRunnerOutput
+    rows: list
+    verified: list[torch.Tensor]  # host copies of the argmax rows and accepted counts
+    event: torch.cuda.Event | None
+    pending: object  # the proposer's DeviceDrafts
+    drafts: tuple | None  # the drafts' host copy and its event
 
 
 class ModelRunner:
@@ -81,7 +97,8 @@ class ModelRunner:
         """Hand one step to the device. Tokens of `prev` still in flight feed this step's inputs on the
         device. With `defer` (only for steps whose requests all sample plainly, one token each, with no
         drafts to verify and an idle proposer) the sampled ids stay on the device and `collect` fetches
-        them later; otherwise the step is finished here."""
+        them later; a step that verifies and drafts on the device leaves its verification for
+        `collect` too; otherwise the step is finished here."""
         # a deferred step verifies no drafts (so takes none): its requests need not be looked at
         on_device = not defer and self._drafts_on_device(sched)
         drafts = self._fill_drafts(sched, on_device)
@@ -103,12 +120,12 @@ class ModelRunner:
                 self.proposer.skip(sched, hidden, step.pending, inputs.meta.slot_mapping)
             return step
         if inputs.logits_rows and on_device:
-            self._verify_and_draft(sched, inputs, hidden, out)
-        else:
-            if inputs.logits_rows:
-                self._sample(inputs, hidden, out)
-            if self.proposer is not None:  # also without logits: a draft model follows every prefill chunk
-                out.draft_token_ids = self.proposer.propose(DraftStep(sched, out, hidden, inputs.meta.slot_mapping))
+            step.verifying = self._verify_and_draft(sched, inputs, hidden, out)
+            return step
+        if inputs.logits_rows:
+            self._sample(inputs, hidden, out)
+        if self.proposer is not None:  # also without logits: a draft model follows every prefill chunk
+            out.draft_token_ids = self.proposer.propose(DraftStep(sched, out, hidden, inputs.meta.slot_mapping))
         step.result = out
         return step
 
@@ -119,16 +136,17 @@ class ModelRunner:
                         for s in sched.scheduled if s.sample))
 
     def _verify_and_draft(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
-                          out: ModelRunnerOutput) -> None:
-        """Verification and the next drafts with one host wait, for the verification only: the
-        target's argmax of every row and the accepted prefixes (on the device) start on their way to
-        the host, the proposer's catch-up and chain are queued behind them, and the host waits for
-        the step's tokens alone (a request's tokens are the argmax of its rows up to its first
-        rejected draft's: equal to its drafts before it). The drafts stay on the device: the next
-        step's inputs take them there (`_fill_drafts`), and their host copy arrives meanwhile; the
-        host keeps its books, reports the tokens and schedules the next step while the device drafts.
-        Until the copy is read, the drafts the scheduler holds are placeholders (DRAFT_PLACEHOLDER)
-        of the right number."""
+                          out: ModelRunnerOutput) -> _Verifying:
+        """Verification and the next drafts, queued with nothing waited for: the target's argmax of
+        every row and the accepted prefixes (on the device) start on their way to the host, and the
+        proposer's catch-up and chain are queued behind them. The host half (`_verified`, from
+        `collect`) waits for the step's tokens alone (a request's tokens are the argmax of its rows up
+        to its first rejected draft's: equal to its drafts before it). The engine collects the step
+        before it schedules the next one, and after it has handed this step's predecessor's tokens
+        to the user (engine.py: `_step`), so that work overlaps the device's. The drafts stay on the
+        device: the next step's inputs take them there (`_fill_drafts`), and their host copy arrives
+        meanwhile. Until it is read, the drafts the scheduler holds are placeholders
+        (DRAFT_PLACEHOLDER) of the right number."""
         logits = self.target.compute_logits(hidden[inputs.logits_indices])
         argmax = logits.argmax(dim=-1)
         rows = inputs.logits_rows
@@ -138,11 +156,17 @@ class ModelRunner:
         verified, event = self._to_host([argmax, n])
         pending = self.proposer.draft_on_device(DeviceStep(sched, rows, hidden, inputs.meta.slot_mapping, argmax, n))
         drafts = self._to_host([pending.tokens.reshape(-1)]) if pending.tokens is not None else None
-        if event is not None:
-            event.synchronize()  # the step's one wait
+        return _Verifying(out, rows, verified, event, pending, drafts)
+
+    def _verified(self, sched: SchedulerOutput, v: _Verifying) -> ModelRunnerOutput:
+        """The host half of `_verify_and_draft`: the step's one wait, then its tokens and the number
+        of drafts each request keeps."""
+        out, pending = v.out, v.pending
+        if v.event is not None:
+            v.event.synchronize()  # the step's one wait
         self._settle_drafts(sched)  # this step's drafts (read from the device) reach the host books
-        tokens, accepted = verified[0].tolist(), verified[1].tolist()
-        for i, (s, first, _) in enumerate(rows):
+        tokens, accepted = v.verified[0].tolist(), v.verified[1].tolist()
+        for i, (s, first, _) in enumerate(v.rows):
             req_id = s.request.request_id
             out.sampled_token_ids[req_id] = tokens[first:first + accepted[i] + 1]
             if s.spec_token_ids:
@@ -150,11 +174,12 @@ class ModelRunner:
         kept = self.proposer.drafted(pending, out)
         out.draft_token_ids = {req_id: [DRAFT_PLACEHOLDER] * k for req_id, k in kept.items()}
         if kept:
-            (host,), drafts_event = drafts
+            (host,), drafts_event = v.drafts
             width = pending.tokens.shape[1]
             requests = {slot.sched.request.request_id: slot.sched.request for slot in pending.chained}
             offsets = dict(zip(requests, range(0, len(requests) * width, width)))
             self._drafts = DraftsInFlight(pending.tokens.reshape(-1), offsets, requests, host, drafts_event)
+        return out
 
     def _to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
         """Host copies of 1-D int64 device tensors on their way (pinned, on CUDA) and the event that
@@ -199,7 +224,10 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """The step's output (waits for its tokens if they are still in flight)."""
-        if step.result is None:
+        if step.result is None and step.verifying is not None:
+            verifying, step.verifying = step.verifying, None
+            step.result = self._verified(step.sched, verifying)
+        elif step.result is None:
             pending = step.pending
             if pending.event is not None:
                 pending.event.synchronize()

@@ -270,35 +270,67 @@ def test_drafting_on_the_device_waits_for_the_verification_only(tiny_llama_dir, 
     """A drafting step's host wait covers its tokens, not the next step's drafts: the next step is
     scheduled, and its inputs built, while the drafts are on the device (the host holds placeholders
     of the right number; the inputs take the drafts on the device), the target never sees a
-    placeholder, the host has the real drafts once the step returns, and output is the target's."""
+    placeholder, the host has the real drafts once the step is collected, and output is the target's."""
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"],
               speculative_config=eagle_config(trained_head_dir, 3))
     runner = llm.engine.runner
     llm.engine.proposer.drafts_on_device = True
     unfilled, after, smallest_input, launching = [], [], [], []
-    launch, forward = runner.launch, runner.target.forward
+    launch, collect, forward = runner.launch, runner.collect, runner.target.forward
 
     def placeholders(sched) -> int:
         return sum(s.spec_token_ids.count(DRAFT_PLACEHOLDER) for s in sched.scheduled)
 
     def spy_launch(sched, prev=None, defer=False):
         launching[:] = [sched]
-        step = launch(sched, prev, defer)
-        after.append(placeholders(sched))
-        return step
+        return launch(sched, prev, defer)
+
+    def spy_collect(step):
+        result = collect(step)
+        after.append(placeholders(step.sched))
+        return result
 
     def spy_forward(input_ids, positions, meta, **inputs):
         unfilled.append(placeholders(launching[0]))  # drafts the host has not read when the target runs
         smallest_input.append(int(input_ids.min()))
         return forward(input_ids, positions, meta, **inputs)
 
-    runner.launch, runner.target.forward = spy_launch, spy_forward
+    runner.launch, runner.collect, runner.target.forward = spy_launch, spy_collect, spy_forward
     outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference(tiny_llama_dir, "mixed")
     assert sum(unfilled) > 0, "every step had its drafts on the host before its forward: the case did not run"
-    assert min(smallest_input) >= 0 and sum(after) == 0
+    assert min(smallest_input) >= 0 and after and sum(after) == 0
     assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
+
+
+def test_a_verification_stays_in_flight_while_the_caller_takes_the_tokens_before_it(tiny_llama_dir,
+                                                                                   trained_head_dir):
+    """Under async scheduling a step that verifies and drafts on the device is collected when the
+    next step() begins: step() returns the earlier steps' tokens while the verification is in flight,
+    an abort meanwhile is honoured, the other requests' output is the target's, and no block leaks."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"], async_scheduling=True,
+              speculative_config=eagle_config(trained_head_dir, 3))
+    eng = llm.engine
+    eng.proposer.drafts_on_device = True
+    for i, p in enumerate(spec_prompts()):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
+    outs, returned_in_flight = {}, 0
+    while eng.has_unfinished():
+        got = eng.step()
+        outs.update((o.request_id, o) for o in got)
+        if eng._inflight is not None and eng._inflight.verifying is not None:
+            returned_in_flight += bool(got)
+            if returned_in_flight == 3:
+                eng.abort("r1")
+    assert returned_in_flight > 3, "no step() returned tokens while a verification was in flight"
+    want = reference(tiny_llama_dir, "mixed")
+    for i in range(len(want)):
+        if i != 1:
+            assert outs[f"r{i}"].finished and outs[f"r{i}"].outputs[0].token_ids == want[i]
+    assert "r1" not in outs or not outs["r1"].finished
+    assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert eng.kv_manager.pool.num_used_blocks == 0 and eng._inflight is None
 
 # -- lazy catch-up: hidden states kept beside the KV ------------------------------------------------
 def _head_query_lens(llm: LLM) -> list[list[int]]:
