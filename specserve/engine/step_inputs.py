@@ -27,12 +27,13 @@ class StepInputs:
 
 class HostStaging:
     """Pinned host buffers for a step's integer inputs, so they reach the device in one asynchronous
-    copy per dtype instead of one blocking copy per tensor (and for sampled ids on their way back). A
-    small ring of buffers per dtype, each guarded by an event: a buffer is reused only once the copy
-    that last used it has run (with async scheduling the next step is built while earlier copies may
-    still be queued). Preallocated: allocating pinned memory per step can stall on the device."""
+    copy instead of one blocking copy per tensor (and for sampled ids on their way back). A small
+    ring of buffers per dtype (bytes for inputs), each guarded by an event: a buffer is reused only
+    once the copy that last used it has run (with async scheduling the next step is built while
+    earlier copies may still be queued). Preallocated: allocating pinned memory per step can stall
+    on the device."""
 
-    RING = 4
+    RING = 8
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -74,23 +75,39 @@ class HostStaging:
         return out
 
     def to_device(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Device tensors (views of one copy) holding `arrays` (1-D numpy, any int dtype), each
+        """Device tensors (views of one copy) holding `arrays` (1-D numpy, any int dtype) as `dtype`."""
+        return self.to_device_groups([(arrays, dtype)])[0]
+
+    def to_device_groups(self, groups: list[tuple[list[np.ndarray], torch.dtype]]) -> list[list[torch.Tensor]]:
+        """`to_device` for several dtypes in one copy: per group (arrays, dtype), device tensors
+        holding its arrays (1-D numpy, any int dtype) as that dtype, all views of one buffer, each
         starting on a 16-byte boundary: Triton compiles a kernel variant per alignment class of its
         pointer arguments, so views at odd offsets would cost a compile (a stalled step) the first
-        time each class shows up."""
-        offsets, total = _layout([len(a) for a in arrays], torch.empty(0, dtype=dtype).element_size())
-        if not self.pinned:  # the CPU: the tensors view one host array
-            flat = torch.zeros(total, dtype=dtype)
-            host = flat.numpy()
+        time each class shows up. One copy, not one per dtype: each costs the host a buffer, a
+        launch and an event (tens of microseconds, on the path of every step)."""
+        layouts, nbytes = [], 0
+        for arrays, dtype in groups:
+            size = torch.empty(0, dtype=dtype).element_size()
+            offsets, total = _layout([len(a) for a in arrays], size)
+            layouts.append((nbytes, offsets, total * size))
+            nbytes += total * size  # a multiple of ALIGN_BYTES: the next group starts aligned
+        if not self.pinned:  # the CPU: the tensors view one host buffer
+            flat = host = torch.zeros(nbytes, dtype=torch.uint8)
         else:
-            slot = self._buffer(dtype, total)
-            host = slot[0].numpy()
-        for a, o in zip(arrays, offsets):
-            host[o:o + len(a)] = a
+            slot = self._buffer(torch.uint8, nbytes)
+            host = slot[0]
+        out = []
+        for (arrays, dtype), (start, offsets, length) in zip(groups, layouts):
+            view = host[start:start + length].view(dtype).numpy()
+            for a, o in zip(arrays, offsets):
+                view[o:o + len(a)] = a
         if self.pinned:
-            flat = slot[0][:total].to(self.device, non_blocking=True)
+            flat = host[:nbytes].to(self.device, non_blocking=True)
             self._copied(slot)
-        return [flat[o:o + len(a)] for o, a in zip(offsets, arrays)]
+        for (arrays, dtype), (start, offsets, length) in zip(groups, layouts):
+            typed = flat[start:start + length].view(dtype)
+            out.append([typed[o:o + len(a)] for o, a in zip(offsets, arrays)])
+        return out
 
 
 ALIGN_BYTES = 16
@@ -147,8 +164,8 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
     slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
     if padding_from is not None:
         slots[padding_from:] = PAD_SLOT_ID
-    long_parts = staging.to_device([positions, slots, *extra_int64], torch.int64)
-    cu_d, s_lens_d, bt_d = staging.to_device([cu, s_lens, block_tables.ravel()], torch.int32)
+    long_parts, (cu_d, s_lens_d, bt_d) = staging.to_device_groups(
+        [([positions, slots, *extra_int64], torch.int64), ([cu, s_lens, block_tables.ravel()], torch.int32)])
     meta = AttentionMetadata(
         num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=int(q_lens.max()),
         max_seq_len=int(s_lens.max()), query_start_loc=cu_d, seq_lens=s_lens_d,
@@ -172,9 +189,9 @@ def chain_metadata(seq_lens: list[int], num_active: list[int], tables: list[list
     active = np.arange(num_reqs)[None, :] < np.asarray(num_active)[:, None]
     blocks = np.where(active, positions // block_size, 0)  # steps past a request's own are never read
     slots = np.take_along_axis(block_tables.T, blocks, axis=0) * block_size + positions % block_size
-    pos_d, slots_d = staging.to_device([positions.ravel(), slots.ravel()], torch.int64)
-    cu_d, lens_d, bt_d = staging.to_device([np.arange(num_reqs + 1), (positions + 1).ravel(),
-                                            block_tables.ravel()], torch.int32)
+    (pos_d, slots_d), (cu_d, lens_d, bt_d) = staging.to_device_groups(
+        [([positions.ravel(), slots.ravel()], torch.int64),
+         ([np.arange(num_reqs + 1), (positions + 1).ravel(), block_tables.ravel()], torch.int32)])
     bt_d = bt_d.view(num_reqs, -1)
     steps = []
     for j, n in enumerate(num_active):
