@@ -75,8 +75,10 @@ def load_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
     return out
 
 
-def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: SamplingParams) -> dict:
-    """Closed loop with `concurrency` requests in flight; returns throughput and spec counters."""
+def run_level(llm: LLM, prompts: list[list[int]], concurrency: int,
+              params: SamplingParams | list[SamplingParams]) -> dict:
+    """Closed loop with `concurrency` requests in flight; returns throughput and spec counters.
+    `params`: for every prompt, or one per prompt (--length-spread)."""
     engine = llm.engine
     before = engine.stats()
     pending = list(enumerate(prompts))
@@ -86,7 +88,8 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int, params: Samp
     while pending or engine.has_unfinished():
         while pending and in_flight < concurrency:
             i, p = pending.pop(0)
-            engine.add_request(f"b{time.monotonic_ns()}-{i}", {"prompt_token_ids": p}, params)
+            engine.add_request(f"b{time.monotonic_ns()}-{i}", {"prompt_token_ids": p},
+                               params[i] if isinstance(params, list) else params)
             in_flight += 1
         t_step = time.perf_counter()
         outs = engine.step()
@@ -294,6 +297,10 @@ def main() -> int:
     ap.add_argument("--policy-trace", default=None,
                     help="write adaptive k's trace (a line per plan and per judged step) to this file")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--length-spread", type=float, default=0.0,
+                    help="dummy weights: request i stops after max_tokens x (1 - spread x u_i) tokens, u_i uniform "
+                         "in [0, 1) from a fixed seed, the same for every engine (requests then end at different "
+                         "steps with and without speculation; 0: all after max_tokens)")
     ap.add_argument("--prompt-len", type=int, default=128, help="dummy weights: random prompt length")
     ap.add_argument("--max-prompt-len", type=int, default=256)
     ap.add_argument("--num-speculative-tokens", type=int, default=8)
@@ -336,10 +343,15 @@ def main() -> int:
     if args.device != "cpu":  # room for every level's requests (x2), not 90% of the GPU per engine
         engine_args["num_kv_blocks"] = 2 * max(args.concurrency) * -(-max_len // 16)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=dummy)
+    if args.length_spread:
+        spread = random.Random(1)
+        params = [SamplingParams(temperature=0.0, ignore_eos=dummy, max_tokens=max(
+            1, round(args.max_tokens * (1 - args.length_spread * spread.random())))) for _ in range(4096)]
     results = {"command": " ".join([Path(sys.executable).name] + sys.argv), "device": args.device,
                "platform": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                "load_avg_start": os.getloadavg(), "model": args.model or "SmolLM2-135M-Instruct",
-               "dtype": args.dtype, "max_tokens": args.max_tokens, "k": args.num_speculative_tokens,
+               "dtype": args.dtype, "max_tokens": args.max_tokens, "length_spread": args.length_spread,
+               "k": args.num_speculative_tokens,
                "adaptive": not args.no_adaptive, "levels": []}
     # CPU (and GPU with --interleave): all setups alive, each level measured back to back (fair under
     # a varying machine load); GPU: one engine at a time (memory), all levels each. Before the timed
@@ -411,10 +423,14 @@ def main() -> int:
 
 
 def markdown(results: dict, names: list[str]) -> str:
+    spread = results.get("length_spread")
+    spread_note = f" less up to {spread:g} of them (per request, --length-spread)" if spread else ""
     lines = [f"Command: `{results['command']}`", "",
              f"Model {results['model']} ({results['dtype']}, {results['device']}, "
              f"{results['torch_threads']} torch "
-             f"threads), greedy, max {results['max_tokens']} output tokens, k <= {results['k']}"
+             f"threads), greedy, max {results['max_tokens']} output tokens"
+             f"{spread_note}"
+             f", k <= {results['k']}"
              f"{' (adaptive)' if results['adaptive'] else ''}. Load average at start/end: "
              f"{results['load_avg_start'][0]:.1f} / {results['load_avg_end'][0]:.1f}.", ""]
     for name, table in results.get("step_costs", {}).items():
