@@ -55,6 +55,14 @@ def requests_per_level(c: int, base: int, waves: int = 1) -> int:
     return max(base, c) if c < 16 else waves * c
 
 
+def spread_params(max_tokens: int, spread: float, ignore_eos: bool, num: int) -> list[SamplingParams]:
+    """Greedy params for `num` requests: request i stops after max_tokens x (1 - spread x u_i) tokens,
+    u_i uniform in [0, 1) from a fixed seed (--length-spread: the same for every engine and run)."""
+    rng = random.Random(1)
+    return [SamplingParams(temperature=0.0, ignore_eos=ignore_eos,
+                           max_tokens=max(1, round(max_tokens * (1 - spread * rng.random())))) for _ in range(num)]
+
+
 def load_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
     """Prompt token ids per dataset, enough for every level (disjoint slices per level)."""
     need = sum(requests_per_level(c, args.min_requests, args.waves) for c in args.concurrency)
@@ -344,9 +352,7 @@ def main() -> int:
         engine_args["num_kv_blocks"] = 2 * max(args.concurrency) * -(-max_len // 16)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=dummy)
     if args.length_spread:
-        spread = random.Random(1)
-        params = [SamplingParams(temperature=0.0, ignore_eos=dummy, max_tokens=max(
-            1, round(args.max_tokens * (1 - args.length_spread * spread.random())))) for _ in range(4096)]
+        params = spread_params(args.max_tokens, args.length_spread, dummy, 4096)
     results = {"command": " ".join([Path(sys.executable).name] + sys.argv), "device": args.device,
                "platform": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                "load_avg_start": os.getloadavg(), "model": args.model or "SmolLM2-135M-Instruct",

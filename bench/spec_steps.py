@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_profile  # noqa: E402
+from spec_decode import spread_params  # noqa: E402
 
 from specserve import SamplingParams  # noqa: E402
 
@@ -113,9 +114,8 @@ def main() -> int:
     args.load_format = "dummy"
     c = args.concurrency[0]
     num = args.requests or 3 * c
-    rng, spread = random.Random(0), random.Random(1)
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max(
-        1, round(args.max_tokens * (1 - args.length_spread * spread.random())))) for _ in range(num)]
+    rng = random.Random(0)
+    params = spread_params(args.max_tokens, args.length_spread, True, num)
     results = {"args": vars(args), "runs": {}}
     for name, config in (("none", None), ("eagle", spec)):
         llm = spec_profile.build(args, config)

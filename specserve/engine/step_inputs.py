@@ -87,7 +87,7 @@ class HostStaging:
         launch and an event (tens of microseconds, on the path of every step)."""
         layouts, nbytes = [], 0
         for arrays, dtype in groups:
-            size = torch.empty(0, dtype=dtype).element_size()
+            size = dtype.itemsize
             offsets, total = _layout([len(a) for a in arrays], size)
             layouts.append((nbytes, offsets, total * size))
             nbytes += total * size  # a multiple of ALIGN_BYTES: the next group starts aligned
@@ -96,7 +96,6 @@ class HostStaging:
         else:
             slot = self._buffer(torch.uint8, nbytes)
             host = slot[0]
-        out = []
         for (arrays, dtype), (start, offsets, length) in zip(groups, layouts):
             view = host[start:start + length].view(dtype).numpy()
             for a, o in zip(arrays, offsets):
@@ -104,6 +103,7 @@ class HostStaging:
         if self.pinned:
             flat = host[:nbytes].to(self.device, non_blocking=True)
             self._copied(slot)
+        out = []
         for (arrays, dtype), (start, offsets, length) in zip(groups, layouts):
             typed = flat[start:start + length].view(dtype)
             out.append([typed[o:o + len(a)] for o, a in zip(offsets, arrays)])
