@@ -333,7 +333,7 @@ class EagleProposer:
 
     @property
     def _dtype(self) -> torch.dtype:
-        return self.head.fc.weight.dtype
+        return self.head.dtype
 
     def _chain(self, out: torch.Tensor, drafting: list[DraftSlot], ends: list[int]
                ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:

@@ -41,7 +41,7 @@ class ChainGraphs:
         self.sizes = sorted({s for s in CAPTURE_SIZES if s < cap} | {cap})
         self.max_k = max_k
         batch, h = self.sizes[-1], head.cfg.hidden_size
-        dtype = head.fc.weight.dtype
+        dtype = head.dtype
         self.out0 = torch.zeros(batch, h, dtype=dtype, device=device)  # g_{L-1} per request
         self.seq_lens = torch.ones(batch, dtype=torch.int32, device=device)  # L: context length
         self.ks = torch.zeros(batch, dtype=torch.long, device=device)  # drafts per request

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +85,17 @@ class EagleHead(nn.Module):
         # the target's, set by `attach` (not parameters of the head: never saved, never trained)
         self.__dict__["_embed"] = None  # the target's embedding weight [V, h], set by attach
         self._lm_head: torch.Tensor | None = None  # [Vd, h]: the target's LM head rows of draft_vocab
+        self.__dict__["_packed_lm_head"] = None  # those rows for oneDNN (CPU inference: use_packed_linears)
         self.backend: AttentionBackend | None = None  # set by the model executor
         self.graph_inputs = {"hidden_states": h}  # extra inputs a captured graph must hold (engine/cuda_graphs.py)
         # kept per KV slot by the head's executor (engine/executor.py): the target's hidden states,
         # so the head can catch up on positions of earlier steps (spec_decode/eagle.py)
         self.slot_states = {"hidden_states": h}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's weights' dtype (read from a norm: its linear layers may be packed for oneDNN)."""
+        return self.norm.weight.dtype
 
     @property
     def draft_vocab_size(self) -> int:
@@ -158,7 +165,14 @@ class EagleHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """g [N, h] -> fp32 logits over the draft vocabulary [N, Vd] (row i = target id draft_vocab[i])."""
+        if self._packed_lm_head is not None:
+            return self._packed_lm_head(hidden).float()
         return nn.functional.linear(hidden, self._lm_head).float()
+
+    def use_packed_linears(self, pack: Callable[[torch.Tensor], nn.Module | None]) -> int:
+        """The draft LM head's rows run packed (models/layers/cpu_linear.py); the tensor stays for training."""
+        self._packed_lm_head = pack(self._lm_head) if self._lm_head is not None else None
+        return int(self._packed_lm_head is not None)
 
     # -- training --------------------------------------------------------------------------------
     def train_forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, depth: int,

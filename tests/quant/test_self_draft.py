@@ -28,9 +28,13 @@ def test_self_draft_names():
 
 
 @pytest.mark.parametrize("method", [INT8, NF4])
-def test_build_self_draft_shares_the_targets_tensors(tiny_llama_dir, method):
+def test_build_self_draft_shares_the_targets_tensors(tiny_llama_dir, method, monkeypatch):
+    from specserve.models.layers.cpu_linear import ENV_SWITCH
     from specserve.quant.self_draft import build_self_draft
 
+    # the engine builds a self-draft before its executors pack linear layers for the CPU; this test
+    # builds one from a running engine's model, so that one is left unpacked
+    monkeypatch.setenv(ENV_SWITCH, "torch")
     target = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=16)
     model = target.engine.loaded.model
     before = target.generate(PROMPTS, GREEDY)

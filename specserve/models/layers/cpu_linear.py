@@ -1,0 +1,83 @@
+"""Linear layers on the CPU through oneDNN, their weights reordered once when the model is placed.
+
+`nn.functional.linear` on the CPU goes to the BLAS torch was built with. Its small-batch path is what
+decoding meets: one token per request, or the few tokens of a verification. There a 2-token fp32
+product costs about two 1-token ones (on the project's AMD EPYC machines: each row streams the whole
+weight again), and the 1-token one reads the weight at half the memory bandwidth. oneDNN's
+matmul over a weight reordered into its blocked layout ahead of time streams the weight once for any
+small batch: 1 to 5 tokens cost the same, and 1 token costs about half of what it did (bench:
+`bench/cpu_linear.py`). It is also batch invariant: a row's result does not depend on the other rows.
+
+`pack_linears(model)` swaps a model's `nn.Linear` layers for `PackedLinear` (the reordered weight
+replaces the original: no extra memory) and has the model point its weight-tensor LM heads (a tied
+head, an EAGLE head's draft-vocabulary rows) at packed copies (`use_packed_linears`: those copies are
+extra memory, the embedding keeps its rows). Only fp32, and bf16 where oneDNN has native bf16, are
+packed; quantized layers (bitsandbytes) are not `nn.Linear` and stay as they are.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+ENV_SWITCH = "SPECSERVE_CPU_LINEAR"  # "torch": leave linear layers to nn.functional.linear (A/B runs)
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Can oneDNN run packed linear layers of `dtype` on this CPU (and is it not switched off)?"""
+    if os.environ.get(ENV_SWITCH, "onednn") == "torch" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:  # without native bf16 (AVX2 only) oneDNN emulates it slowly
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return False
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W [out_features, in_features] held in oneDNN's blocked layout (opaque: no
+    `.weight` to read, no gradient). x: [..., in_features], contiguous or not."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, onednn"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every `nn.Linear` of `model` (fp32 / bf16 as `can_pack` allows) for a PackedLinear, then
+    let the model pack its weight-tensor heads (`use_packed_linears(pack)`). Returns how many layers
+    were packed. For inference only: a packed model cannot be trained."""
+    packed = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and can_pack(child.weight.dtype):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                packed += 1
+    hook = getattr(model, "use_packed_linears", None)
+    if hook is not None:
+        packed += hook(lambda w: PackedLinear(w) if can_pack(w.dtype) else None)
+    return packed
+
+
+def tie_packed_head(model: nn.Module, pack) -> int:
+    """A model whose LM head is its embedding (`lm_head` None, `embed_tokens` an nn.Embedding) gets a
+    packed copy of the embedding's rows as its `lm_head` (`compute_logits` then runs it). Returns 1 if
+    it did."""
+    if model.lm_head is not None or type(model.embed_tokens) is not nn.Embedding:
+        return 0
+    head = pack(model.embed_tokens.weight)
+    if head is None:
+        return 0
+    model.lm_head = head
+    return 1
