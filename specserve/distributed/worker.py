@@ -65,6 +65,7 @@ def _serve(group, model, dtype: torch.dtype) -> None:
     from specserve.distributed.wire import packed_size, receive_header, unpack_forward
     from specserve.engine.executor import ModelExecutor
     from specserve.models.layers.attention import get_attention_backend
+    from specserve.models.layers.cpu_linear import pack_linears
 
     device = group.device
     executor = None
@@ -82,6 +83,8 @@ def _serve(group, model, dtype: torch.dtype) -> None:
             executor.capture_graphs(*header[1:])
         elif op == "executor":
             _, backend, block_size, num_blocks = header
+            if device.type == "cpu":  # as rank 0's (engine/build.py)
+                pack_linears(model)
             executor = ModelExecutor(model, get_attention_backend(backend, device), device, dtype, block_size,
                                      num_blocks)
         elif op == "shutdown":

@@ -21,6 +21,7 @@ from specserve.engine.executor import ModelExecutor
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.scheduler import Scheduler
 from specserve.models.layers.attention import get_attention_backend
+from specserve.models.layers.cpu_linear import pack_linears
 from specserve.models.loader import LoadedModel, hub_snapshot, load_model, load_tokenizer
 from specserve.quant.bnb import cuda_graph_safe
 from specserve.quant.memory import WeightMemory, dequant_workspace_bytes, format_bytes, weight_memory
@@ -111,6 +112,9 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
         from specserve.distributed.executor import ParallelExecutor
         executors[0] = ParallelExecutor(loaded.model, backend, device, loaded.dtype, cc.block_size, num_blocks,
                                         workers)
+    if device.type == "cpu":  # small batches through oneDNN (models/layers/cpu_linear.py)
+        for executor in executors:
+            pack_linears(executor.model)
     generators = RequestGenerators(device)
     rejection = None
     if proposer is not None:

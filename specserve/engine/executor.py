@@ -19,7 +19,6 @@ import torch
 
 from specserve.engine.step_inputs import HostStaging, batch_metadata
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.models.layers.cpu_linear import pack_linears
 from specserve.models.llama import LlamaForCausalLM
 
 
@@ -33,8 +32,6 @@ class ModelExecutor:
                  dtype: torch.dtype, block_size: int, num_blocks: int) -> None:
         self.model = model
         model.backend = backend
-        if device.type == "cpu":  # small batches through oneDNN (models/layers/cpu_linear.py)
-            pack_linears(model)
         self.backend = backend
         self.device = device
         self.block_size = block_size

@@ -8,11 +8,12 @@ matmul over a weight reordered into its blocked layout ahead of time streams the
 small batch: 1 to 5 tokens cost the same, and 1 token costs about half of what it did (bench:
 `bench/cpu_linear.py`). It is also batch invariant: a row's result does not depend on the other rows.
 
-`pack_linears(model)` swaps a model's `nn.Linear` layers for `PackedLinear` (the reordered weight
-replaces the original: no extra memory) and has the model point its weight-tensor LM heads (a tied
-head, an EAGLE head's draft-vocabulary rows) at packed copies (`use_packed_linears`: those copies are
-extra memory, the embedding keeps its rows). Only fp32, and bf16 where oneDNN has native bf16, are
-packed; quantized layers (bitsandbytes) are not `nn.Linear` and stay as they are.
+`pack_linears(model)` (the engine builder calls it for a CPU engine's models) swaps a model's
+`nn.Linear` layers for `PackedLinear` (the reordered weight replaces the original: no extra memory)
+and has the model point its weight-tensor LM heads (a tied head, an EAGLE head's draft-vocabulary
+rows) at packed copies (`use_packed_linears`: those copies are extra memory, the embedding keeps its
+rows). Only fp32, and bf16 where oneDNN has native bf16, are packed; quantized layers (bitsandbytes)
+are not `nn.Linear` and stay as they are.
 """
 from __future__ import annotations
 
