@@ -85,7 +85,7 @@ class EagleHead(nn.Module):
         # the target's, set by `attach` (not parameters of the head: never saved, never trained)
         self.__dict__["_embed"] = None  # the target's embedding weight [V, h], set by attach
         self._lm_head: torch.Tensor | None = None  # [Vd, h]: the target's LM head rows of draft_vocab
-        self.__dict__["_packed_lm_head"] = None  # those rows for oneDNN (CPU inference: use_packed_linears)
+        self._packed_lm_head: nn.Module | None = None  # those rows for oneDNN (CPU inference: use_packed_linears)
         self.backend: AttentionBackend | None = None  # set by the model executor
         self.graph_inputs = {"hidden_states": h}  # extra inputs a captured graph must hold (engine/cuda_graphs.py)
         # kept per KV slot by the head's executor (engine/executor.py): the target's hidden states,

@@ -1,12 +1,12 @@
 """Linear layers on the CPU through oneDNN, their weights reordered once when the model is placed.
 
 `nn.functional.linear` on the CPU goes to the BLAS torch was built with. Its small-batch path is what
-decoding meets: one token per request, or the few tokens of a verification. There a 2-token fp32
-product costs about two 1-token ones (on the project's AMD EPYC machines: each row streams the whole
-weight again), and the 1-token one reads the weight at half the memory bandwidth. oneDNN's
-matmul over a weight reordered into its blocked layout ahead of time streams the weight once for any
-small batch: 1 to 5 tokens cost the same, and 1 token costs about half of what it did (bench:
-`bench/cpu_linear.py`). It is also batch invariant: a row's result does not depend on the other rows.
+decoding meets: one token per request, or the few tokens of a verification. On the project's AMD
+EPYC machines a 2-5 token fp32 product there costs up to 2.2 one-token ones (the default model's
+forward: 1.5-2.2). oneDNN's matmul over a weight reordered into its blocked layout ahead of time
+streams the weight once for any small batch: a 2-5 token forward costs 0.9-1.1 one-token ones, and a
+one-token forward is 1.5x faster in fp32 and 1.4x in bf16 (`bench/cpu_linear.py`, BENCHMARKS.md). A
+row's result is also the same bits whatever else is in the batch (tests/engine/test_cpu_linear.py).
 
 `pack_linears(model)` (the engine builder calls it for a CPU engine's models) swaps a model's
 `nn.Linear` layers for `PackedLinear` (the reordered weight replaces the original: no extra memory)
@@ -18,6 +18,7 @@ are not `nn.Linear` and stay as they are.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -71,7 +72,7 @@ def pack_linears(model: nn.Module) -> int:
     return packed
 
 
-def tie_packed_head(model: nn.Module, pack) -> int:
+def tie_packed_head(model: nn.Module, pack: Callable[[torch.Tensor], nn.Module | None]) -> int:
     """A model whose LM head is its embedding (`lm_head` None, `embed_tokens` an nn.Embedding) gets a
     packed copy of the embedding's rows as its `lm_head` (`compute_logits` then runs it). Returns 1 if
     it did."""
