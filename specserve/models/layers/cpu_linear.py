@@ -12,8 +12,8 @@ row's result is also the same bits whatever else is in the batch (tests/engine/t
 `nn.Linear` layers for `PackedLinear` (the reordered weight replaces the original: no extra memory)
 and has the model point its weight-tensor LM heads (a tied head, an EAGLE head's draft-vocabulary
 rows) at packed copies (`use_packed_linears`: those copies are extra memory, the embedding keeps its
-rows). Only fp32, and bf16 where oneDNN has native bf16, are packed; quantized layers (bitsandbytes)
-are not `nn.Linear` and stay as they are.
+rows). Only fp32, and bf16 where oneDNN has native bf16, are packed, and only weights of at least
+MIN_PACKED_ELEMENTS; quantized layers (bitsandbytes) are not `nn.Linear` and stay as they are.
 """
 from __future__ import annotations
 
@@ -24,12 +24,19 @@ import torch
 from torch import nn
 
 ENV_SWITCH = "SPECSERVE_CPU_LINEAR"  # "torch": leave linear layers to nn.functional.linear (A/B runs)
+# weights smaller than this (elements) stay with torch: a oneDNN call costs ~15 us more on its own, which
+# a 576 x 576 layer breaks even with at one token (bench/cpu_linear.py) and a test-sized one never does
+MIN_PACKED_ELEMENTS = 1 << 18
 
 
-def can_pack(dtype: torch.dtype) -> bool:
-    """Can oneDNN run packed linear layers of `dtype` on this CPU (and is it not switched off)?"""
+def can_pack(weight: torch.Tensor) -> bool:
+    """Should oneDNN run this linear layer's weight [out, in] on this CPU: a dtype it has native math
+    for, large enough, and not switched off?"""
     if os.environ.get(ENV_SWITCH, "onednn") == "torch" or not torch.backends.mkldnn.is_available():
         return False
+    if weight.numel() < MIN_PACKED_ELEMENTS:
+        return False
+    dtype = weight.dtype
     if dtype == torch.float32:
         return True
     if dtype == torch.bfloat16:  # without native bf16 (AVX2 only) oneDNN emulates it slowly
@@ -57,18 +64,18 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every `nn.Linear` of `model` (fp32 / bf16 as `can_pack` allows) for a PackedLinear, then
+    """Swap every `nn.Linear` of `model` that `can_pack` allows for a PackedLinear, then
     let the model pack its weight-tensor heads (`use_packed_linears(pack)`). Returns how many layers
     were packed. For inference only: a packed model cannot be trained."""
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and can_pack(child.weight.dtype):
+            if type(child) is nn.Linear and can_pack(child.weight):
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
                 packed += 1
     hook = getattr(model, "use_packed_linears", None)
     if hook is not None:
-        packed += hook(lambda w: PackedLinear(w) if can_pack(w.dtype) else None)
+        packed += hook(lambda w: PackedLinear(w) if can_pack(w) else None)
     return packed
 
 
