@@ -50,8 +50,8 @@ def layers(dtype: torch.dtype, iters: int) -> dict:
         for m in BATCHES:
             x = torch.randn(m, k).to(dtype)
             reps = max(3, iters // 10) if name == "lm_head" else iters
-            t_torch = _median_ms(lambda: torch.nn.functional.linear(x, w), reps)
-            t_dnn = _median_ms(lambda: packed(x), reps)
+            t_torch = _median_ms(lambda x=x, w=w: torch.nn.functional.linear(x, w), reps)
+            t_dnn = _median_ms(lambda x=x, packed=packed: packed(x), reps)
             rows[m] = {"torch_ms": round(t_torch, 4), "onednn_ms": round(t_dnn, 4), "x": round(t_torch / t_dnn, 2)}
         out[name] = rows
     return out
@@ -113,7 +113,8 @@ def main() -> None:
                                           for m, r in rows.items()))
         f = result[f"forward_{dtype}"]
         for variant in ("torch", "onednn"):
-            print(f"  forward {variant:6s} ms {f[variant]['ms']}  in 1-token forwards {f[variant]['in_1_token_forwards']}")
+            row = f[variant]
+            print(f"  forward {variant:6s} ms {row['ms']}  in 1-token forwards {row['in_1_token_forwards']}")
         print(f"  one-token forward: oneDNN {f['x_one_token']}x faster")
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(result, indent=1))
