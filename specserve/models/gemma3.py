@@ -10,14 +10,13 @@ and the config's rope scaling); tied embeddings; optional final logit softcappin
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.models.layers.basic import RotaryEmbedding
-from specserve.models.layers.cpu_linear import tie_packed_head
 from specserve.models.registry import ArchConfig
 from specserve.models.weights import load_stacked_weights
 
@@ -143,10 +142,6 @@ class Gemma3ForCausalLM(nn.Module):
             logits = nn.functional.linear(hidden, self.embed_tokens.weight).float()
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def use_packed_linears(self, pack: Callable[[torch.Tensor], nn.Module | None]) -> int:
-        """A tied LM head gets a packed copy of the embedding's rows (models/layers/cpu_linear.py)."""
-        return tie_packed_head(self, pack)
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -12,7 +12,6 @@ from torch import nn
 
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.models.layers.basic import RMSNorm, RotaryEmbedding, SwiGLU
-from specserve.models.layers.cpu_linear import tie_packed_head
 from specserve.models.registry import ArchConfig
 from specserve.models.weights import load_stacked_weights
 
@@ -106,10 +105,6 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:  # a module: nn.Linear, or a quantized head (specserve.quant)
             return self.lm_head(hidden).float()
         return nn.functional.linear(hidden, self.embed_tokens.weight).float()
-
-    def use_packed_linears(self, pack: Callable[[torch.Tensor], nn.Module | None]) -> int:
-        """A tied LM head gets a packed copy of the embedding's rows (models/layers/cpu_linear.py)."""
-        return tie_packed_head(self, pack)
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

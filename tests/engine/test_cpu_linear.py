@@ -48,11 +48,7 @@ def test_pack_linears_swaps_every_large_linear_and_the_tied_head():
             self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512, bias=False))
                                         for _ in range(2))
             self.small = nn.Linear(512, 16)  # below MIN_PACKED_ELEMENTS: oneDNN's call overhead would not pay
-            self.lm_head = None
-
-        def use_packed_linears(self, pack):
-            from specserve.models.layers.cpu_linear import tie_packed_head
-            return tie_packed_head(self, pack)
+            self.lm_head = None  # tied, as the models say it
 
     model = Tiny()
     x = torch.randn(3, 512)

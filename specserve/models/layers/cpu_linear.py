@@ -10,15 +10,14 @@ row's result is also the same bits whatever else is in the batch (tests/engine/t
 
 `pack_linears(model)` (the engine builder calls it for a CPU engine's models) swaps a model's
 `nn.Linear` layers for `PackedLinear` (the reordered weight replaces the original: no extra memory)
-and has the model point its weight-tensor LM heads (a tied head, an EAGLE head's draft-vocabulary
-rows) at packed copies (`use_packed_linears`: those copies are extra memory, the embedding keeps its
-rows). Only fp32, and bf16 where oneDNN has native bf16, are packed, and only weights of at least
+and gives its weight-tensor LM heads (a tied head; an EAGLE head's draft-vocabulary rows, through
+`use_packed_linears`) packed copies (those are extra memory: the embedding keeps its rows). Only
+fp32, and bf16 where oneDNN has native bf16, are packed, and only weights of at least
 MIN_PACKED_ELEMENTS; quantized layers (bitsandbytes) are not `nn.Linear` and stay as they are.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -64,29 +63,22 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every `nn.Linear` of `model` that `can_pack` allows for a PackedLinear, then
-    let the model pack its weight-tensor heads (`use_packed_linears(pack)`). Returns how many layers
-    were packed. For inference only: a packed model cannot be trained."""
+    """Swap every `nn.Linear` of `model` that `can_pack` allows for a PackedLinear; a tied LM head
+    (the models' convention: `lm_head` None, `embed_tokens` an nn.Embedding) becomes a PackedLinear
+    over a copy of the embedding's rows (`compute_logits` then runs it); a model with other
+    weight-tensor heads packs them itself (`use_packed_linears(pack)`). Returns how many layers were
+    packed. For inference only: a packed model cannot be trained."""
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and can_pack(child.weight):
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
                 packed += 1
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", False) is None and type(embed) is nn.Embedding and can_pack(embed.weight):
+        model.lm_head = PackedLinear(embed.weight)
+        packed += 1
     hook = getattr(model, "use_packed_linears", None)
     if hook is not None:
         packed += hook(lambda w: PackedLinear(w) if can_pack(w) else None)
     return packed
-
-
-def tie_packed_head(model: nn.Module, pack: Callable[[torch.Tensor], nn.Module | None]) -> int:
-    """A model whose LM head is its embedding (`lm_head` None, `embed_tokens` an nn.Embedding) gets a
-    packed copy of the embedding's rows as its `lm_head` (`compute_logits` then runs it). Returns 1 if
-    it did."""
-    if model.lm_head is not None or type(model.embed_tokens) is not nn.Embedding:
-        return 0
-    head = pack(model.embed_tokens.weight)
-    if head is None:
-        return 0
-    model.lm_head = head
-    return 1
