@@ -12,7 +12,7 @@ row's result is also the same bits whatever else is in the batch (tests/engine/t
 `nn.Linear` layers for `PackedLinear` (the reordered weight replaces the original: no extra memory)
 and gives its weight-tensor LM heads (a tied head; an EAGLE head's draft-vocabulary rows, through
 `use_packed_linears`) packed copies (those are extra memory: the embedding keeps its rows). Only
-fp32, and bf16 where oneDNN has native bf16, are packed, and only weights of at least
+fp32, and bf16 where oneDNN runs bf16 (AVX-512 or native bf16 CPUs, not AVX2-only ones), are packed, and only weights of at least
 MIN_PACKED_ELEMENTS; quantized layers (bitsandbytes) are not `nn.Linear` and stay as they are.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     dtype = weight.dtype
     if dtype == torch.float32:
         return True
-    if dtype == torch.bfloat16:  # without native bf16 (AVX2 only) oneDNN emulates it slowly
+    if dtype == torch.bfloat16:  # oneDNN's bf16 needs AVX-512 (or native bf16): not on AVX2-only CPUs
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return False
 
