@@ -12,8 +12,9 @@ row's result is also the same bits whatever else is in the batch (tests/engine/t
 `nn.Linear` layers for `PackedLinear` (the reordered weight replaces the original: no extra memory)
 and gives its weight-tensor LM heads (a tied head; an EAGLE head's draft-vocabulary rows, through
 `use_packed_linears`) packed copies (those are extra memory: the embedding keeps its rows). Only
-fp32, and bf16 where oneDNN runs bf16 (AVX-512 or native bf16 CPUs, not AVX2-only ones), are packed, and only weights of at least
-MIN_PACKED_ELEMENTS; quantized layers (bitsandbytes) are not `nn.Linear` and stay as they are.
+fp32, and bf16 where oneDNN runs bf16 (AVX-512 or native bf16 CPUs, not AVX2-only ones), are
+packed, and only weights of at least MIN_PACKED_ELEMENTS; quantized layers (bitsandbytes) are not
+`nn.Linear` and stay as they are.
 """
 from __future__ import annotations
 
