@@ -182,7 +182,8 @@ class RejectionSampler:
         (the draft the row judges; anything on a request's last row), `counts` the requests' rows
         (1 + k each, in row order). Returns the accepted-prefix lengths n [R] on the device: request
         r's tokens are its first n drafts, then argmax[its first row + n]. (With `simulated_acceptance`
-        n is drawn on the host and uploaded.) No host wait."""
+        n is drawn on the host and uploaded.) No host wait; nothing uploaded when every request has
+        the same count."""
         num, max_k = len(counts), max(counts) - 1
         if max_k == 0:
             return torch.zeros(num, dtype=torch.long, device=argmax.device)
@@ -192,6 +193,9 @@ class RejectionSampler:
             accepted = self._simulated(num, max_k, "cpu").numpy() & valid
             (n,) = staging.to_device([np.cumprod(accepted, axis=1).sum(axis=1)], torch.int64)
             return n
+        if all(c == max_k + 1 for c in counts):  # every request verifies k drafts: rows reshape, no upload
+            match = (argmax == next_ids).view(num, max_k + 1)[:, :max_k]
+            return match.long().cumprod(dim=1).sum(dim=1)
         firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         grid = np.where(valid, firsts[:, None] + np.arange(max_k)[None, :], len(argmax))  # padding: no match
         (grid_d,) = staging.to_device([grid.ravel()], torch.int64)

@@ -132,6 +132,13 @@ def test_plain_greedy_batches_take_the_host_path_with_the_same_tokens(monkeypatc
                                             HostStaging(torch.device("cpu")))
     assert n.tolist() == fast.num_accepted
     counts = [len(r.draft_ids) + 1 for r in reqs]
+    # requests that all verify the same number of drafts (the rows reshape: nothing uploaded)
+    same = [r for r in reqs if len(r.draft_ids) == 2]
+    rows = torch.tensor([r.first_row + j for r in same for j in range(3)])
+    same_next = torch.tensor([t for r in same for t in r.draft_ids + [0]])
+    n_same = RejectionSampler().greedy_on_device(torch.tensor(argmax)[rows], same_next, [3] * len(same),
+                                                 HostStaging(torch.device("cpu")))
+    assert n_same.tolist() == [fast.num_accepted[reqs.index(r)] for r in same] == [1, 2]
     for rate, want in ((1.0, [c - 1 for c in counts]), (0.0, [0] * len(reqs))):  # benchmarks' replay
         sim = RejectionSampler(simulated_acceptance=rate)
         assert sim.greedy_on_device(torch.tensor(argmax[:row]), next_ids, counts,
