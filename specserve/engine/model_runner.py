@@ -150,9 +150,8 @@ class ModelRunner:
         logits = self.target.compute_logits(hidden[inputs.logits_indices])
         argmax = logits.argmax(dim=-1)
         rows = inputs.logits_rows
-        after = (inputs.logits_indices + 1).clamp_(max=inputs.input_ids.shape[0] - 1)
-        n = self.rejection_sampler.greedy_on_device(argmax, inputs.input_ids[after], [c for _, _, c in rows],
-                                                    self.staging)
+        n = self.rejection_sampler.greedy_on_device(argmax, inputs.input_ids[inputs.logits_indices],
+                                                    [c for _, _, c in rows], self.staging)
         verified, event = self._to_host([argmax, n])
         pending = self.proposer.draft_on_device(DeviceStep(sched, rows, hidden, inputs.meta.slot_mapping, argmax, n))
         drafts = self._to_host([pending.tokens.reshape(-1)]) if pending.tokens is not None else None

@@ -175,15 +175,15 @@ class RejectionSampler:
             num_accepted.append(n)
         return VerifyResult(token_ids, num_accepted, [None] * len(reqs))
 
-    def greedy_on_device(self, argmax: torch.Tensor, next_ids: torch.Tensor, counts: Sequence[int],
+    def greedy_on_device(self, argmax: torch.Tensor, row_ids: torch.Tensor, counts: Sequence[int],
                          staging: HostStaging) -> torch.Tensor:
         """The greedy rule with the verification left on the device, for drafting on the device: `argmax`
-        [M] the target's argmax of every logits row, `next_ids` [M] the input token after each row's
-        (the draft the row judges; anything on a request's last row), `counts` the requests' rows
-        (1 + k each, in row order). Returns the accepted-prefix lengths n [R] on the device: request
-        r's tokens are its first n drafts, then argmax[its first row + n]. (With `simulated_acceptance`
-        n is drawn on the host and uploaded.) No host wait; nothing uploaded when every request has
-        the same count."""
+        [M] the target's argmax of every logits row, `row_ids` [M] the input token at each row, `counts`
+        the requests' rows (1 + k each, in row order: a request's rows are its last 1 + k input tokens,
+        its newest token and its drafts, so the draft row j judges is the token at row j + 1). Returns
+        the accepted-prefix lengths n [R] on the device: request r's tokens are its first n drafts,
+        then argmax[its first row + n]. (With `simulated_acceptance` n is drawn on the host and
+        uploaded.) No host wait; nothing uploaded when every request has the same count."""
         num, max_k = len(counts), max(counts) - 1
         if max_k == 0:
             return torch.zeros(num, dtype=torch.long, device=argmax.device)
@@ -193,13 +193,14 @@ class RejectionSampler:
             accepted = self._simulated(num, max_k, "cpu").numpy() & valid
             (n,) = staging.to_device([np.cumprod(accepted, axis=1).sum(axis=1)], torch.int64)
             return n
-        if all(c == max_k + 1 for c in counts):  # every request verifies k drafts: rows reshape, no upload
-            match = (argmax == next_ids).view(num, max_k + 1)[:, :max_k]
-            return match.long().cumprod(dim=1).sum(dim=1)
+        if all(c == max_k + 1 for c in counts):  # every request verifies k drafts: its rows reshape
+            rows, ids = argmax.view(num, max_k + 1), row_ids.view(num, max_k + 1)
+            return (rows[:, :max_k] == ids[:, 1:]).long().cumprod(dim=1).sum(dim=1)
         firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         grid = np.where(valid, firsts[:, None] + np.arange(max_k)[None, :], len(argmax))  # padding: no match
         (grid_d,) = staging.to_device([grid.ravel()], torch.int64)
-        match = torch.cat([argmax == next_ids, argmax.new_zeros(1, dtype=torch.bool)])
+        # row i judges the token at row i + 1 (rows past a request's last draft are never in the grid)
+        match = torch.cat([argmax[:-1] == row_ids[1:], argmax.new_zeros(2, dtype=torch.bool)])
         return match[grid_d].view(num, max_k).long().cumprod(dim=1).sum(dim=1)
 
     def _sample_random(self, rand: list[int], reqs: Sequence[VerifyRequest], target: torch.Tensor,

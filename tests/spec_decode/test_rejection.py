@@ -125,23 +125,23 @@ def test_plain_greedy_batches_take_the_host_path_with_the_same_tokens(monkeypatc
     slow = RejectionSampler().sample(logits, reqs)
     assert fast.token_ids == slow.token_ids and fast.num_accepted == slow.num_accepted
     assert fast.num_accepted == [0, 1, 1, 0, 2, 0, 0, 2, 1, 0]
-    # the same rule left on the device (drafting on the device): the input token after each row is
-    # the draft it judges; each request's last row is followed by another request's first token
-    next_ids = torch.tensor([t for r in reqs for t in r.draft_ids + [r.draft_ids[0] if r.draft_ids else 3]])
-    n = RejectionSampler().greedy_on_device(torch.tensor(argmax[:row]), next_ids, [len(r.draft_ids) + 1 for r in reqs],
+    # the same rule left on the device (drafting on the device): a request's rows hold its newest
+    # token, then its drafts (the draft row j judges is the token at row j + 1)
+    row_ids = torch.tensor([t for r in reqs for t in [3] + r.draft_ids])
+    n = RejectionSampler().greedy_on_device(torch.tensor(argmax[:row]), row_ids, [len(r.draft_ids) + 1 for r in reqs],
                                             HostStaging(torch.device("cpu")))
     assert n.tolist() == fast.num_accepted
     counts = [len(r.draft_ids) + 1 for r in reqs]
     # requests that all verify the same number of drafts (the rows reshape: nothing uploaded)
     same = [r for r in reqs if len(r.draft_ids) == 2]
     rows = torch.tensor([r.first_row + j for r in same for j in range(3)])
-    same_next = torch.tensor([t for r in same for t in r.draft_ids + [0]])
-    n_same = RejectionSampler().greedy_on_device(torch.tensor(argmax)[rows], same_next, [3] * len(same),
+    same_ids = torch.tensor([t for r in same for t in [5] + r.draft_ids])
+    n_same = RejectionSampler().greedy_on_device(torch.tensor(argmax)[rows], same_ids, [3] * len(same),
                                                  HostStaging(torch.device("cpu")))
     assert n_same.tolist() == [fast.num_accepted[reqs.index(r)] for r in same] == [1, 2]
     for rate, want in ((1.0, [c - 1 for c in counts]), (0.0, [0] * len(reqs))):  # benchmarks' replay
         sim = RejectionSampler(simulated_acceptance=rate)
-        assert sim.greedy_on_device(torch.tensor(argmax[:row]), next_ids, counts,
+        assert sim.greedy_on_device(torch.tensor(argmax[:row]), row_ids, counts,
                                     HostStaging(torch.device("cpu"))).tolist() == want
     monkeypatch.undo()
     penalized = req(0, reqs[1].draft_ids, SamplingParams(temperature=0.0, repetition_penalty=1.5))
