@@ -429,3 +429,21 @@ def test_a_draft_step_is_priced_by_its_seconds_against_the_plain_steps():
     assert abs(p._draft_cost(1) - 30e-6 / (1.03e-3 / p.costs(1))) < 1e-9 and k == 4
     assert planned(None)[1] == 3
     assert planned(1.0)[0]._draft_cost(1) == 0.1  # never above the device-time ratio
+
+
+def test_deferred_steps_are_timed_once_the_device_is_busy(clock):
+    """A run of deferred steps starts with the device idle (after a synchronous step): its first
+    start-to-start intervals are shorter than a plain step's steady time (0.80 against 1.0 ms on an
+    H200 with the default model at one request), and drafting steps judged against them looked 20%
+    dearer than they were. Only steps after the first two of a run are timed, so a probe's plain time
+    is the steady one."""
+    p = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.03)
+    p.async_steps = True
+    p.step_started()  # a synchronous step
+    clock.now += 1.5e-3
+    for interval in (0.6e-3, 0.8e-3, 1.0e-3, 1.0e-3, 1.0e-3):  # the deferred run, filling the device
+        p.step_started()
+        p.step_skipped(1)
+        clock.now += interval
+    p.step_started()  # a synchronous step: the run's last interval is not timed
+    assert p.guard.plain_unit(1) * p.costs(1) == pytest.approx(1.0e-3)
