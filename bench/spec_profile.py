@@ -239,11 +239,11 @@ def main() -> int:
     if args.load_format == "dummy":
         spec.update(load_format="dummy", simulated_acceptance=args.eagle_acceptance or [0.8])
     results = {"args": vars(args), "levels": []}
-    engines = {"none": build(args, None), "eagle": build(args, spec)}
     if args.both_policies:  # "eagle" adaptive, "eagle_forced" with k = args.k always
-        spec["adaptive"] = True
-        engines["eagle"] = build(args, spec)
-        engines["eagle_forced"] = build(args, {**spec, "adaptive": False})
+        engines = {"none": build(args, None), "eagle": build(args, {**spec, "adaptive": True}),
+                   "eagle_forced": build(args, {**spec, "adaptive": False})}
+    else:
+        engines = {"none": build(args, None), "eagle": build(args, spec)}
     for c in args.concurrency:
         row = {"concurrency": c}
         for name, llm in engines.items():

@@ -187,15 +187,16 @@ class RejectionSampler:
         num, max_k = len(counts), max(counts) - 1
         if max_k == 0:
             return torch.zeros(num, dtype=torch.long, device=argmax.device)
+        if self.simulated_acceptance is None and all(c == max_k + 1 for c in counts):
+            # every request verifies k drafts: its rows reshape (nothing built on the host)
+            rows, ids = argmax.view(num, max_k + 1), row_ids.view(num, max_k + 1)
+            return (rows[:, :max_k] == ids[:, 1:]).long().cumprod(dim=1).sum(dim=1)
         ks = np.asarray(counts, dtype=np.int64) - 1
         valid = np.arange(max_k)[None, :] < ks[:, None]  # [R, K]
         if self.simulated_acceptance is not None:
             accepted = self._simulated(num, max_k, "cpu").numpy() & valid
             (n,) = staging.to_device([np.cumprod(accepted, axis=1).sum(axis=1)], torch.int64)
             return n
-        if all(c == max_k + 1 for c in counts):  # every request verifies k drafts: its rows reshape
-            rows, ids = argmax.view(num, max_k + 1), row_ids.view(num, max_k + 1)
-            return (rows[:, :max_k] == ids[:, 1:]).long().cumprod(dim=1).sum(dim=1)
         firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         grid = np.where(valid, firsts[:, None] + np.arange(max_k)[None, :], len(argmax))  # padding: no match
         (grid_d,) = staging.to_device([grid.ravel()], torch.int64)
