@@ -158,7 +158,7 @@ class AdaptiveK:
         engine's warm-up, whose steps compile kernels and whose acceptance is no user's."""
         g = self.guard
         self.guard = RealizedGain(decay=g.decay, unit_decay=g.unit_decay, prior_steps=g.prior_steps,
-                                  max_age=g.max_age)
+                                  max_age=g.max_age, max_age_cap=g.max_age_cap, steady=g.steady)
         self._est.clear()
         self._pool = _Estimate()
         self.step_overhead = 0.0

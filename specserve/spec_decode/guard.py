@@ -24,8 +24,11 @@ clipped to [0, 1];
 the policy scales its expected accepted tokens by it. Drafts that do not pay in practice are thus
 backed off however the model went wrong. Every step all sums decay, so the trust drifts back to 1
 and drafting is tried (and measured) again now and then: it recovers when text gets repetitive.
-Conversely, when every step drafts, about one step in max_age runs without drafts (`wants_probe`)
-to keep the plain-step time fresh.
+Conversely, when every step drafts, a plain-step time older than its bucket's age limit is dropped,
+and the next steps run without drafts (`wants_probe`) to time a fresh one. The limit starts at
+max_age steps and doubles (up to max_age_cap) each time a probe finds the time it replaced within
+`steady` of it: a probe costs drafting steps (on an H200 at one request, about three plain steps'
+time each, every 70 steps: 3% of a run), and a plain time that holds needs fewer of them.
 Pure Python over a few numbers per step; greedy output does not depend on it in fp32 (in bf16 the
 shapes of the k it picks can flip near-ties).
 """
@@ -46,13 +49,16 @@ def batch_bucket(num: int) -> int:
 
 class RealizedGain:
     def __init__(self, *, decay: float = 0.95, unit_decay: float = 0.8, prior_steps: float = 3.0,
-                 max_age: int = 64) -> None:
+                 max_age: int = 64, max_age_cap: int = 512, steady: float = 0.1) -> None:
         """decay: per step, of the gain sums; unit_decay: per plain step, of its bucket's time;
         prior_steps: weight of the prior (trust 1) in drafting steps of the bucket's typical predicted
-        gain; max_age: steps after which a plain step's time is too old to compare with."""
-        self.decay, self.unit_decay, self.prior_steps, self.max_age = decay, unit_decay, prior_steps, max_age
+        gain; max_age: steps after which a plain step's time is too old to compare with, doubled up to
+        max_age_cap for a bucket whose fresh times come within `steady` (relative) of the stale ones."""
+        self.decay, self.unit_decay, self.prior_steps = decay, unit_decay, prior_steps
+        self.max_age, self.max_age_cap, self.steady = max_age, max_age_cap, steady
         self.num_steps = 0
-        self._unit: dict[int, list[float]] = {}  # bucket -> [seconds per cost unit (EMA), step of last update]
+        # bucket -> [seconds per cost unit (EMA), step of last update, steps after which it is stale]
+        self._unit: dict[int, list[float]] = {}
         # bucket -> [realized, predicted] gains decayed every step, and the typical predicted gain of
         # a drafting step (an average over drafting steps only: the prior's scale)
         self._gain: dict[int, list[float]] = {}
@@ -75,9 +81,14 @@ class RealizedGain:
         if num_draft_tokens == 0:
             self._unjudged.pop(bucket, None)
             per_cost = seconds / base_cost
-            if unit is None or self.num_steps - unit[1] > self.max_age:
-                # none, or too old to anchor this one (a stale time, a compile's, would hold it for good)
-                self._unit[bucket] = [per_cost, self.num_steps]
+            if unit is None:
+                self._unit[bucket] = [per_cost, self.num_steps, self.max_age]
+            elif self.num_steps - unit[1] > unit[2]:
+                # too old to anchor this one (a stale time, a compile's, would hold it for good); if
+                # it still held, the next one may grow older
+                held = abs(per_cost - unit[0]) <= self.steady * unit[0]
+                age = min(2 * unit[2], self.max_age_cap) if held else self.max_age
+                self._unit[bucket] = [per_cost, self.num_steps, age]
             else:  # an outlier (a page fault, a burst of other work) moves the average by a bounded step
                 per_cost = min(max(per_cost, 0.5 * unit[0]), 2.0 * unit[0])
                 unit[0] = self.unit_decay * unit[0] + (1 - self.unit_decay) * per_cost
@@ -108,7 +119,7 @@ class RealizedGain:
     def plain_unit(self, num_base_tokens: int) -> float | None:
         """Seconds per cost unit of recent plain steps over such a batch (None: none recent)."""
         unit = self._unit.get(_unit_bucket(num_base_tokens))
-        return unit[0] if unit is not None and self.num_steps - unit[1] <= self.max_age else None
+        return unit[0] if unit is not None and self.num_steps - unit[1] <= unit[2] else None
 
     def wants_probe(self, num_base_tokens: int) -> bool:
         """Should the next step over such a batch run without drafts? Yes after two drafting steps

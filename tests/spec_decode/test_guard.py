@@ -140,6 +140,24 @@ def test_probe_keeps_the_plain_time_fresh(clock):
     assert 1 <= plain <= 190 // policy.guard.max_age + 2
 
 
+def test_probes_grow_rarer_while_the_plain_time_holds(clock):
+    """Each probe costs drafting steps. One that finds the plain time where it was doubles the time
+    before the next (up to max_age_cap); one that finds it moved brings probes back to every max_age."""
+    policy = policy_with(CPU_TABLE)
+    costs = policy.costs
+    guard = policy.guard
+    drafted = run_steps(policy, clock, 2000, lambda b, d: 0.07 * costs(b + d), 1.0, num_reqs=1)
+    probes = [i for i, d in enumerate(drafted) if i >= 10 and d == 0 and drafted[i - 1]]  # first plain steps
+    assert len(probes) <= 2000 // guard.max_age // 3  # every max_age steps would be ~31
+    assert probes[-1] - probes[-2] > guard.max_age_cap
+    assert guard._unit[1][2] == guard.max_age_cap
+    # the plain step turns 30% dearer: the next probe finds it moved, and probes come often again
+    run_steps(policy, clock, 700, lambda b, d: 0.07 * costs(b + d) * (1.3 if d == 0 else 1.0), 1.0,
+              num_reqs=1, seed=1)
+    assert guard._unit[1][2] < guard.max_age_cap
+    assert guard.plain_unit(1) == pytest.approx(0.07 * 1.3, rel=0.05)
+
+
 def test_the_ngram_proposer_reports_its_steps(tiny_llama_dir):
     """Served with adaptive n-gram speculation, every step reaches the guard: plain steps set the
     reference times that drafting steps are judged against."""
@@ -381,6 +399,9 @@ def test_a_stale_plain_time_does_not_anchor_the_next():
     assert guard.plain_unit(64) is None
     guard.observe(64, 1.5, 5.7e-3, 64, 0, 0)
     assert guard.plain_unit(64) == pytest.approx(5.7e-3 / 1.5)
+    for _ in range(guard.max_age + 1):  # far from the stale time: it goes stale as soon again
+        guard.tick()
+    assert guard.plain_unit(64) is None
 
 
 def test_the_engine_warm_up_teaches_adaptive_k_nothing(tiny_llama_dir):
