@@ -45,10 +45,11 @@ class ParallelExecutor(ModelExecutor):
             self.workers.call(("copy", list(copies)))
             super().copy_blocks(copies)
 
-    def capture_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...]) -> None:
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...],
+                       max_prefill_tokens: int = 0) -> None:
         with self.workers.guard():
-            self.workers.call(("capture", max_model_len, max_num_seqs, tuple(query_lens)))
-            super().capture_graphs(max_model_len, max_num_seqs, query_lens)
+            self.workers.call(("capture", max_model_len, max_num_seqs, tuple(query_lens), max_prefill_tokens))
+            super().capture_graphs(max_model_len, max_num_seqs, query_lens, max_prefill_tokens)
 
     def decode_replay_seconds(self) -> float | None:
         return None  # its graphs hold collectives: replayed here alone, they would wait for the workers

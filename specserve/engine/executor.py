@@ -51,12 +51,14 @@ class ModelExecutor:
         state_width = sum(getattr(model, "slot_states", {}).values())
         return (model.cfg.kv_bytes_per_token(size) + state_width * size) * block_size
 
-    def capture_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...]) -> None:
-        """CUDA graphs for steps whose requests compute at most max(query_lens) tokens each."""
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...],
+                       max_prefill_tokens: int = 0) -> None:
+        """CUDA graphs for steps whose requests compute at most max(query_lens) tokens each, and for
+        one request's steps of up to `max_prefill_tokens` tokens (engine/cuda_graphs.py)."""
         from specserve.engine.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
-                                   max_num_seqs, query_lens)
+                                   max_num_seqs, query_lens, max_prefill_tokens)
         self.graphs.capture()
 
     def decode_replay_seconds(self) -> float | None:
