@@ -119,19 +119,23 @@ class DecodeGraphs:
 
     def holds(self, num_reqs: int, max_query_len: int) -> bool:
         """Is a graph captured for a step of `num_reqs` requests computing at most `max_query_len` tokens each?"""
+        return self.key(num_reqs, max_query_len) is not None
+
+    def key(self, num_reqs: int, max_query_len: int) -> tuple[int, int] | None:
+        """The smallest captured graph (padded batch, query length) for such a step (None: none)."""
         if max_query_len <= self.query_lens[-1]:
-            return num_reqs <= self.sizes[-1]
-        return num_reqs == 1 and bool(self.prefill_lens) and max_query_len <= self.prefill_lens[-1]
+            if num_reqs > self.sizes[-1]:
+                return None
+            return next(s for s in self.sizes if s >= num_reqs), next(q for q in self.query_lens if q >= max_query_len)
+        if num_reqs != 1 or not self.prefill_lens or max_query_len > self.prefill_lens[-1]:
+            return None
+        return 1, next(q for q in self.prefill_lens if q >= max_query_len)  # one request's prefill
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             **inputs: torch.Tensor) -> torch.Tensor:
         """Replay the smallest captured graph that holds the step; returns hidden [num_tokens, H]."""
         n, num_tokens = meta.num_reqs, meta.num_tokens
-        if meta.max_query_len <= self.query_lens[-1]:
-            batch = next(s for s in self.sizes if s >= n)
-            q = next(x for x in self.query_lens if x >= meta.max_query_len)
-        else:  # one request's prefill
-            batch, q = 1, next(x for x in self.prefill_lens if x >= meta.max_query_len)
+        batch, q = self.key(n, meta.max_query_len)
         width = meta.block_tables.shape[1]
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(positions)
