@@ -54,7 +54,7 @@ class ModelExecutor:
     def capture_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...],
                        max_prefill_tokens: int = 0) -> None:
         """CUDA graphs for steps whose requests compute at most max(query_lens) tokens each, and for
-        one request's steps of up to `max_prefill_tokens` tokens (engine/cuda_graphs.py)."""
+        steps of up to `max_prefill_tokens` tokens in all (engine/cuda_graphs.py)."""
         from specserve.engine.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
@@ -65,7 +65,7 @@ class ModelExecutor:
         """Device seconds of one replay of the one-request decode graph (None: no graphs captured)."""
         from specserve.engine.cuda_graphs import replay_seconds
 
-        return replay_seconds(self.graphs.graphs[(1, 1)]) if self.graphs is not None else None
+        return replay_seconds(self.graphs.graphs[(1, 1, 1)]) if self.graphs is not None else None
 
     def warm_up_kernels(self, max_model_len: int) -> None:
         """Compile the attention kernel variants this model's layers can launch (a variant first met while

@@ -230,7 +230,7 @@ class EagleProposer:
             return pending
         ks = [slot.k for slot in chained]
         ex = self.executor
-        graphed = ex.graphs is not None and ex.graphs.holds(len(query_lens), max(query_lens))
+        graphed = ex.graphs is not None and ex.graphs.holds(len(query_lens), max(query_lens), num_rows)
         padding = self._padding(num_rows, tables) if self.pad_catch_up and not graphed else []
         if padding:  # requests that compute nothing, reading the zero state, writing no KV
             num_pad = sum(padding)
