@@ -1,13 +1,15 @@
-"""One request's time to first token with and without prefill CUDA graphs (engine/cuda_graphs.py), in
-one engine, the two alternating per prompt so both see the same machine.
+"""Time to first token with and without prefill CUDA graphs (engine/cuda_graphs.py), in one engine,
+the two alternating per prompt so both see the same machine.
 
     python bench/prefill_graphs.py --device cuda --load-format dummy --model smollm2-135m \
         --prompt-lens 20 50 100 150 250 400 600 --reps 7 --out prefill_s135.json
+    python bench/prefill_graphs.py ... --decoding 15    # admissions beside 15 decoding requests
 
-Each measurement is one `generate` of a fresh prompt (no prefix-cache hit) with max_tokens=1: the
-prefill step, its sampled token and the engine's bookkeeping. "eager" hides the prefill graphs
-(`DecodeGraphs.prefill_lens = ()`), as the engine ran before them; decode graphs stay in both.
-Reported: the median per prompt length, and eager / graphs.
+Each measurement adds a fresh prompt (no prefix-cache hit) with max_tokens=1 and steps the engine
+until it finishes: its prefill step, its sampled token and the engine's bookkeeping (with
+`--decoding N`, N other requests decode meanwhile, as in a server: the prompt's step is an
+admission). "eager" hides the prefill graphs (`DecodeGraphs.prefill_lens = ()`), as the engine ran
+before them; decode graphs stay in both. Reported: the median per prompt length, and eager / graphs.
 """
 from __future__ import annotations
 
@@ -22,13 +24,27 @@ import torch
 from specserve import LLM, SamplingParams
 
 
-def first_token_seconds(llm: LLM, prompt: list[int]) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    if llm.engine.device.type == "cuda":
+def first_token_seconds(llm: LLM, prompt: list[int], request_id: str) -> float:
+    engine = llm.engine
+    if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], params)
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=1))
+    while not any(o.request_id == request_id and o.finished for o in engine.step()):
+        pass
     return time.perf_counter() - t0
+
+
+def keep_decoding(llm: LLM, num: int, vocab: int, rng: random.Random) -> None:
+    """Top up the background requests to `num` decoding ones (each runs for hundreds of steps)."""
+    engine = llm.engine
+    running = [r for r in engine.groups if r.startswith("bg")]
+    for i in range(num - len(running)):
+        prompt = [rng.randrange(3, vocab) for _ in range(16)]
+        engine.add_request(f"bg{time.monotonic_ns()}-{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
 
 
 def main() -> None:
@@ -39,11 +55,12 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[20, 50, 100, 150, 250, 400, 600])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--decoding", type=int, default=0, help="requests decoding beside each prompt")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    max_len = max(args.prompt_lens) + 64
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format, max_num_seqs=1,
-              max_model_len=max_len)
+    max_len = max(args.prompt_lens) + 480
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+              max_num_seqs=1 + args.decoding, max_model_len=max_len)
     graphs = llm.engine.runner.graphs
     if graphs is None or not graphs.prefill_lens:
         raise SystemExit("no prefill graphs were captured (CUDA with the triton backend, not enforce_eager)")
@@ -51,16 +68,17 @@ def main() -> None:
     rng = random.Random(0)
     vocab = llm.engine.loaded.arch.vocab_size
     times: dict[str, dict[int, list[float]]] = {"graphs": {}, "eager": {}}
+    count = 0
     for n in args.prompt_lens:
-        for _ in range(2):  # warm: each shape's first eager GEMMs pick their kernels
+        for rep in range(2 + args.reps):  # two to warm up: each shape's first eager GEMMs pick their kernels
             for mode in ("graphs", "eager"):
+                keep_decoding(llm, args.decoding, vocab, rng)
                 graphs.prefill_lens = captured if mode == "graphs" else ()
-                first_token_seconds(llm, [rng.randrange(3, vocab) for _ in range(n)])
-        for _ in range(args.reps):
-            for mode in ("graphs", "eager"):
-                graphs.prefill_lens = captured if mode == "graphs" else ()
-                times[mode].setdefault(n, []).append(first_token_seconds(llm, [rng.randrange(3, vocab) for _ in range(n)]))
-    graphs.prefill_lens = captured
+                count += 1
+                seconds = first_token_seconds(llm, [rng.randrange(3, vocab) for _ in range(n)], f"p{count}")
+                graphs.prefill_lens = captured
+                if rep >= 2:
+                    times[mode].setdefault(n, []).append(seconds)
     rows = []
     for n in args.prompt_lens:
         g, e = statistics.median(times["graphs"][n]), statistics.median(times["eager"][n])
