@@ -8,7 +8,7 @@ the two alternating per prompt so both see the same machine.
 Each measurement adds a fresh prompt (no prefix-cache hit) with max_tokens=1 and steps the engine
 until it finishes: its prefill step, its sampled token and the engine's bookkeeping (with
 `--decoding N`, N other requests decode meanwhile, as in a server: the prompt's step is an
-admission). "eager" hides the prefill graphs (`DecodeGraphs.prefill_lens = ()`), as the engine ran
+admission). "eager" hides the prefill graphs (`StepGraphs.prefill_lens = ()`), as the engine ran
 before them; decode graphs stay in both. Reported: the median per prompt length, and eager / graphs.
 """
 from __future__ import annotations

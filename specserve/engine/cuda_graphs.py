@@ -47,7 +47,7 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
     return best
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], device: torch.device, block_size: int,
                  max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...] = (1,),
                  max_prefill_tokens: int = 0) -> None:

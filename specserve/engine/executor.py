@@ -41,7 +41,7 @@ class ModelExecutor:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.slot_states = {name: torch.zeros(num_blocks * block_size + 1, width, dtype=dtype, device=device)
                             for name, width in getattr(model, "slot_states", {}).items()}
-        self.graphs = None  # DecodeGraphs once captured
+        self.graphs = None  # StepGraphs once captured
         self.staging = HostStaging(device)
 
     @staticmethod
@@ -55,9 +55,9 @@ class ModelExecutor:
                        max_prefill_tokens: int = 0) -> None:
         """CUDA graphs for steps whose requests compute at most max(query_lens) tokens each, and for
         steps of up to `max_prefill_tokens` tokens in all (engine/cuda_graphs.py)."""
-        from specserve.engine.cuda_graphs import DecodeGraphs
+        from specserve.engine.cuda_graphs import StepGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
+        self.graphs = StepGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
                                    max_num_seqs, query_lens, max_prefill_tokens)
         self.graphs.capture()
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.cuda_graphs import PREFILL_LENS, DecodeGraphs
+from specserve.engine.cuda_graphs import PREFILL_LENS, StepGraphs
 
 
-def graphs(max_prefill_tokens: int, query_lens=(1, 5), max_num_seqs: int = 8) -> DecodeGraphs:
+def graphs(max_prefill_tokens: int, query_lens=(1, 5), max_num_seqs: int = 8) -> StepGraphs:
     # nothing is captured: the buffers are made, and the choice needs no more
-    return DecodeGraphs(torch.nn.Linear(2, 2), [], torch.device("cpu"), 16, 8192, max_num_seqs, query_lens,
+    return StepGraphs(torch.nn.Linear(2, 2), [], torch.device("cpu"), 16, 8192, max_num_seqs, query_lens,
                         max_prefill_tokens)
 
 
