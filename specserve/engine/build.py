@@ -131,8 +131,8 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
             and cuda_graph_safe(loaded.model, draft):
         k = config.spec.num_speculative_tokens if config.spec else 0
         # the target's steps compute 1 + k tokens per request at most; a draft model's forwards are
-        # what its proposer says
-        # and short prefill steps (a prompt, an admission, a head's catch-up over them)
+        # what its proposer says; and every executor's short prefill steps (a prompt, an admission, a
+        # head's catch-up over them) up to a chunk's tokens
         for executor in executors:
             lens = (1, 1 + k) if executor is executors[0] else proposer.draft_query_lens
             executor.capture_graphs(max_len, sc.max_num_seqs, lens, min(sc.max_num_batched_tokens, max_len))

@@ -58,7 +58,7 @@ class ModelExecutor:
         from specserve.engine.cuda_graphs import StepGraphs
 
         self.graphs = StepGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
-                                   max_num_seqs, query_lens, max_prefill_tokens)
+                                 max_num_seqs, query_lens, max_prefill_tokens)
         self.graphs.capture()
 
     def decode_replay_seconds(self) -> float | None:
