@@ -146,10 +146,9 @@ class StepGraphs:
         return self.sizes[-1], t, t
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            **inputs: torch.Tensor) -> torch.Tensor:
-        """Replay the smallest captured graph that holds the step; returns hidden [num_tokens, H]."""
+            key: tuple[int, int, int], **inputs: torch.Tensor) -> torch.Tensor:
+        """Replay the graph `key` (the step's `key(...)`); returns hidden [num_tokens, H]."""
         n, num_tokens = meta.num_reqs, meta.num_tokens
-        key = self.key(n, meta.max_query_len, num_tokens)
         batch, tokens, q = key
         width = meta.block_tables.shape[1]
         self.input_ids[:num_tokens].copy_(input_ids)

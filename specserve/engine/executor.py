@@ -79,8 +79,9 @@ class ModelExecutor:
                 **inputs: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]. `inputs`:
         a model's further per-token inputs (an EAGLE head's hidden_states: its `graph_inputs`)."""
-        if self.graphs is not None and self.graphs.can_run(meta):
-            return self.graphs.run(input_ids, positions, meta, **inputs)
+        key = self.graphs.key(meta.num_reqs, meta.max_query_len, meta.num_tokens) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(input_ids, positions, meta, key, **inputs)
         self.backend.prepare(meta)
         return self.model(input_ids, positions, self.kv_caches, meta, **inputs)
 
