@@ -42,7 +42,7 @@ def build(args, spec: dict | None) -> LLM:
 
 
 def decode_steps(llm: LLM, concurrency: int, args, profile: cProfile.Profile | None, trace: str | None = None,
-                 steps: int | None = None) -> dict:
+                 steps: int | None = None, fine: bool = False) -> dict:
     """`concurrency` requests prefilled, then `steps` (default `args.steps`) timed steps, all of them
     decoding; with `trace` (a path) under the torch profiler, its trace written there."""
     engine = llm.engine
@@ -56,7 +56,7 @@ def decode_steps(llm: LLM, concurrency: int, args, profile: cProfile.Profile | N
         engine.step()
     before = engine.stats()
     phases = collections.Counter()
-    restore = _time_phases(engine, phases, annotate=trace is not None)
+    restore = _time_phases(engine, phases, annotate=trace is not None, fine=fine)
     tracer = None
     if trace is not None:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -97,16 +97,25 @@ def decode_steps(llm: LLM, concurrency: int, args, profile: cProfile.Profile | N
             "phase_ms_per_step": {k: round(1000 * v / steps_wanted, 3) for k, v in sorted(phases.items())}}
 
 
-def _time_phases(engine, phases: collections.Counter, annotate: bool = False):
+def _time_phases(engine, phases: collections.Counter, annotate: bool = False, fine: bool = False):
     """Wrap the step's phases with wall-clock timers (and, with `annotate`, torch profiler ranges of
-    the same names, a few more phases and the step itself); returns a function that unwraps them."""
+    the same names, a few more phases and the step itself; with `fine`, those more phases and the
+    host's books between a verification's wait and the next launch, timed only); returns a function
+    that unwraps them. Timers nest: a phase's time includes the phases inside it."""
     runner, proposer = engine.runner, engine.runner.proposer
     targets = [(engine.scheduler, "schedule"), (engine.scheduler, "resolve"), (runner, "launch"),
                (runner, "collect"), (runner, "_sample"), (runner, "_verify_and_draft")]
-    if annotate:
+    if annotate or fine:
         targets += [(engine, "step"), (engine, "_drain"), (engine.outputs, "process"), (runner, "_verified"),
                     (runner, "_fill_drafts"), (runner, "_sample_deferred"), (runner.target, "forward"),
                     (runner.target, "compute_logits"), (model_runner, "build_step_inputs")]
+    if fine:
+        targets += [(engine, "_finish"), (engine, "_update"), (engine.scheduler, "advance"),
+                    (engine.spec_stats, "observe"), (runner, "_settle_drafts"), (runner, "_to_host")]
+        if runner.target.graphs is not None:
+            targets.append((runner.target.graphs, "run"))
+        if torch.cuda.is_available():  # the host's waits for the device
+            targets.append((torch.cuda.Event, "synchronize"))
     if proposer is not None:
         names = ("propose", "skip", "_catch_up", "_chain", "draft_on_device", "drafted")
         targets += [(proposer, name) for name in names if hasattr(proposer, name)]
@@ -114,14 +123,14 @@ def _time_phases(engine, phases: collections.Counter, annotate: bool = False):
             targets += [(runner.rejection_sampler, "verify"), (runner.rejection_sampler, "greedy_on_device")]
         if getattr(proposer, "chain_graphs", None) is not None:
             targets.append((proposer.chain_graphs, "run"))
-        if annotate:
+        if annotate or fine:
             targets += [(proposer, name) for name in ("begin_step", "_store", "_sources") if hasattr(proposer, name)]
     saved = []
     for obj, name in targets:
         fn = getattr(obj, name)
         saved.append((obj, name, obj.__dict__.get(name)))
 
-        owner = obj.__name__.rsplit(".", 1)[-1] if isinstance(obj, types.ModuleType) else type(obj).__name__
+        owner = obj.__name__.rsplit(".", 1)[-1] if isinstance(obj, (types.ModuleType, type)) else type(obj).__name__
 
         def timed(*a, _fn=fn, _key=f"{owner}.{name}", **kw):
             t = time.perf_counter()
@@ -208,6 +217,17 @@ def timeline(path: str) -> dict:
             "idle_ms_per_step_ended_by_launch_in": {k: round(v / n / 1000, 3) for k, v in ended_by.most_common(8)}}
 
 
+def host_probe() -> float:
+    """Milliseconds a fixed piece of pure Python takes (the best of three): this process's host speed,
+    which on a shared machine varies between processes and so sets the pace of host-bound steps."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        sum(i * i % 7 for i in range(300_000))
+        best = min(best, time.perf_counter() - t)
+    return round(1000 * best, 2)
+
+
 def top(profile: cProfile.Profile, key: str, n: int) -> str:
     buf = io.StringIO()
     stats = pstats.Stats(profile, stream=buf)
@@ -234,11 +254,13 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="a .json path")
     ap.add_argument("--trace", default=None, help="a directory: torch profiler traces of each engine and level")
     ap.add_argument("--trace-steps", type=int, default=40)
+    ap.add_argument("--fine", action="store_true", help="time more phases (no profiler)")
+    ap.add_argument("--no-cprofile", action="store_true", help="skip the cProfile runs")
     args = ap.parse_args()
     spec = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive}
     if args.load_format == "dummy":
         spec.update(load_format="dummy", simulated_acceptance=args.eagle_acceptance or [0.8])
-    results = {"args": vars(args), "levels": []}
+    results = {"args": vars(args), "host_probe_ms": host_probe(), "levels": []}
     if args.both_policies:  # "eagle" adaptive, "eagle_forced" with k = args.k always
         engines = {"none": build(args, None), "eagle": build(args, {**spec, "adaptive": True}),
                    "eagle_forced": build(args, {**spec, "adaptive": False})}
@@ -256,8 +278,11 @@ def main() -> int:
                 row[f"{name}_traced"] = decode_steps(llm, c, args, None, trace=path, steps=args.trace_steps)
                 row[f"{name}_timeline"] = timeline(path)
                 subprocess.run(["gzip", "-f", path], check=False)
-        profiles = {name: cProfile.Profile() for name in engines}
-        for name, llm in engines.items():
+        if args.fine:
+            for name, llm in engines.items():
+                row[f"{name}_fine"] = decode_steps(llm, c, args, None, fine=True)
+        profiles = {} if args.no_cprofile else {name: cProfile.Profile() for name in engines}
+        for name, llm in engines.items() if profiles else ():
             row[f"{name}_profiled"] = decode_steps(llm, c, args, profiles[name])
         print(f"== c={c}: {json.dumps(row)}", flush=True)
         for name, profile in profiles.items():
