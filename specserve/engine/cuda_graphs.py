@@ -156,7 +156,8 @@ class StepGraphs:
         for name, value in inputs.items():
             self.inputs[name][:num_tokens].copy_(value)
         self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
-        self.slot_mapping[num_tokens:tokens].fill_(PAD_SLOT_ID)
+        if tokens > num_tokens:  # padding tokens write no KV (a call over nothing still costs the host)
+            self.slot_mapping[num_tokens:tokens].fill_(PAD_SLOT_ID)
         self.query_start_loc[:n + 1].copy_(meta.query_start_loc)
         if batch > n and q in self.prefill_lens:  # padding requests: no tokens
             self.query_start_loc[n + 1:batch + 1].fill_(num_tokens)

@@ -147,10 +147,10 @@ class ModelRunner:
         device: the next step's inputs take them there (`_fill_drafts`), and their host copy arrives
         meanwhile. Until it is read, the drafts the scheduler holds are placeholders
         (DRAFT_PLACEHOLDER) of the right number."""
-        logits = self.target.compute_logits(hidden[inputs.logits_indices])
+        logits = self.target.compute_logits(inputs.at_logits_rows(hidden))
         argmax = logits.argmax(dim=-1)
         rows = inputs.logits_rows
-        n = self.rejection_sampler.greedy_on_device(argmax, inputs.input_ids[inputs.logits_indices],
+        n = self.rejection_sampler.greedy_on_device(argmax, inputs.at_logits_rows(inputs.input_ids),
                                                     [c for _, _, c in rows], self.staging)
         verified, event = self._to_host([argmax, n])
         pending = self.proposer.draft_on_device(DeviceStep(sched, rows, hidden, inputs.meta.slot_mapping, argmax, n))
@@ -237,7 +237,7 @@ class ModelRunner:
     def _sample_deferred(self, inputs: StepInputs, hidden: torch.Tensor) -> PendingTokens:
         """Sample every row (one per request, no logprobs) on the device; start the copy to the host."""
         rows = [s.request for s, _, _ in inputs.logits_rows]
-        logits = self.target.compute_logits(hidden[inputs.logits_indices])
+        logits = self.target.compute_logits(inputs.at_logits_rows(hidden))
         tokens = self.sampler.sample(logits, [self._sampling_row(req) for req in rows])
         row_of = {req.request_id: i for i, req in enumerate(rows)}
         if self.device.type != "cuda":
@@ -246,7 +246,7 @@ class ModelRunner:
         return PendingTokens(tokens, row_of, host, self.token_staging.last_event)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-        logits = self.target.compute_logits(hidden[inputs.logits_indices])  # [num_logits, V] fp32
+        logits = self.target.compute_logits(inputs.at_logits_rows(hidden))  # [num_logits, V] fp32
         # a request about to fork (SamplingParams.n > 1) samples each child's first token from its
         # own logits row, with the child's own generator
         plain = [(req, row) for s, row, count in inputs.logits_rows if not s.spec_token_ids

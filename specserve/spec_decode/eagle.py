@@ -239,19 +239,26 @@ class EagleProposer:
             tables += [[] for _ in padding]
             picks += [0] * num_pad
             sources.append(np.full(num_pad, self._hidden.shape[0] - 1))
-        positions, meta, (host_d, picks_d, src_d, ks_d, which_d, bases_d, lens_d) = batch_metadata(
+        # each torch call costs the host microseconds, and at one request the host sets the step's
+        # pace: the common case takes the verification's tensors as they are (its tokens are the
+        # catch-up's, every verifying request drafts)
+        own_ids = not host_ids and picks == list(range(num_logits))
+        every_request = which == list(range(len(step.logits_rows)))
+        positions, meta, (src_d, ks_d, ends_d, *ids) = batch_metadata(
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
-            extra_int64=[np.asarray(a, dtype=np.int64) for a in (host_ids, picks)] +
-            [np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, which, bases, lens)],
+            extra_int64=[np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, bases + lens)] +
+            ([] if own_ids else [np.asarray(a, dtype=np.int64) for a in (host_ids, picks)]) +
+            ([] if every_request else [np.asarray(which, dtype=np.int64)]),
             padding_from=num_rows if padding else None)
-        ids_d = torch.cat([step.argmax, host_d])[picks_d]
+        ids_d = step.argmax if own_ids else torch.cat([step.argmax, ids[0]])[ids[1]]
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
-        n = step.num_accepted[which_d]
-        newest, context_lens = g[bases_d + n], lens_d + n
+        n = step.num_accepted if every_request else step.num_accepted[ids[-1]]
+        ends = ends_d.view(2, -1) + n  # per request: its newest row in g and its context length L
+        newest, context_lens = g[ends[0]], ends[1]
         chain = self.chain_graphs
         if chain is not None and chain.can_run(len(ks), max(ks)):
             tables_d = meta.block_tables[:len(chained)]
-            pending.tokens = chain.run(newest, context_lens.int(), ks_d, tables_d, max(ks))
+            pending.tokens = chain.run(newest, context_lens, ks_d, tables_d, max(ks))
         else:  # eager (the CPU): the chain's metadata needs the context lengths on the host
             pending.tokens, _ = self._chain(newest, chained, context_lens.tolist())
         return pending

@@ -72,7 +72,7 @@ class ChainGraphs:
 
     def run(self, out0: torch.Tensor, seq_lens: torch.Tensor, ks: torch.Tensor, block_tables: torch.Tensor,
             max_k: int) -> torch.Tensor:
-        """out0: [P, h] the newest entries' head outputs; seq_lens: [P] int32 context lengths L;
+        """out0: [P, h] the newest entries' head outputs; seq_lens: [P] context lengths L (any int dtype);
         ks: [P] int64 drafts per request, at most max_k; block_tables: [P, W] int32. Returns the
         drafts [P, max_k] (a view of a graph buffer: read it before the next replay)."""
         n, width = block_tables.shape

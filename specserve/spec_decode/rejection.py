@@ -190,7 +190,7 @@ class RejectionSampler:
         if self.simulated_acceptance is None and all(c == max_k + 1 for c in counts):
             # every request verifies k drafts: its rows reshape (nothing built on the host)
             rows, ids = argmax.view(num, max_k + 1), row_ids.view(num, max_k + 1)
-            return (rows[:, :max_k] == ids[:, 1:]).long().cumprod(dim=1).sum(dim=1)
+            return (rows[:, :max_k] == ids[:, 1:]).cumprod(dim=1).sum(dim=1)  # a bool cumprod is int64
         ks = np.asarray(counts, dtype=np.int64) - 1
         valid = np.arange(max_k)[None, :] < ks[:, None]  # [R, K]
         if self.simulated_acceptance is not None:
@@ -202,7 +202,7 @@ class RejectionSampler:
         (grid_d,) = staging.to_device([grid.ravel()], torch.int64)
         # row i judges the token at row i + 1 (rows past a request's last draft are never in the grid)
         match = torch.cat([argmax[:-1] == row_ids[1:], argmax.new_zeros(2, dtype=torch.bool)])
-        return match[grid_d].view(num, max_k).long().cumprod(dim=1).sum(dim=1)
+        return match[grid_d].view(num, max_k).cumprod(dim=1).sum(dim=1)
 
     def _sample_random(self, rand: list[int], reqs: Sequence[VerifyRequest], target: torch.Tensor,
                        drafts: torch.Tensor, valid: torch.Tensor, num_accepted: torch.Tensor,
