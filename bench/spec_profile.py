@@ -7,6 +7,10 @@ its shares, not its seconds). With `--trace DIR` (CUDA) the device's timeline to
 trace of `--trace-steps` steps per engine and level (DIR/trace_<engine>_c<c>.json.gz, for Perfetto or
 chrome://tracing) and its summary: the device's busy share of the wall time, and its idle gaps by the
 host phase that ended them (the launch that gave the device work again) and the one it idled in.
+With `--fine`, a further run per engine times ~30 more host phases and the host's waits for the device
+(`Event.synchronize`), no profiler (timers nest: a phase includes those inside it); `--no-cprofile` skips
+cProfile. `host_probe_ms` in the results is a fixed piece of pure Python timed in the process: where the
+host sets a step's pace, compare runs of different processes against it.
 
     python bench/spec_profile.py --device cuda --load-format dummy --model llama-3.1-8b \
         --eagle dummy --eagle-acceptance 0.43 0.44 0.57 0.41 --concurrency 1 16 64
