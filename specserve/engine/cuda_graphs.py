@@ -125,7 +125,7 @@ class StepGraphs:
                     self.prefill_lens[-1] if self.prefill_lens else 0, time.perf_counter() - t0)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return self.key(meta.num_reqs, meta.max_query_len, meta.num_tokens) is not None
+        return self.holds(meta.num_reqs, meta.max_query_len, meta.num_tokens)
 
     def holds(self, num_reqs: int, max_query_len: int, num_tokens: int) -> bool:
         """Is a graph captured for a step of `num_reqs` requests computing `num_tokens` tokens, at

@@ -23,11 +23,12 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_logits] rows of the hidden states to project
     logits_rows: list[tuple[ScheduledRequest, int, int]]  # (request, first logits row, count)
-    every_row: bool = False  # every token's row takes logits (decode, verification): nothing to gather
 
     def at_logits_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The rows of `x` [num_tokens, ...] that take logits, in order: [num_logits, ...]."""
-        return x if self.every_row else x[self.logits_indices]
+        """The rows of `x` [num_tokens, ...] that take logits, in order: [num_logits, ...]. When every
+        row takes logits (decode, verification: the indices, increasing, are then all rows) nothing is
+        gathered."""
+        return x if len(self.logits_indices) == len(self.input_ids) else x[self.logits_indices]
 
 
 class HostStaging:
@@ -254,7 +255,7 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device
     if draft_dst:
         ids[ddst] = drafts.tokens[dsrc]
     return StepInputs(input_ids=ids, positions=positions, meta=meta, logits_indices=logits_indices,
-                      logits_rows=logits_rows, every_row=len(logits_idx) == len(input_ids))
+                      logits_rows=logits_rows)
 
 
 @dataclass

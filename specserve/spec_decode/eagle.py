@@ -244,15 +244,16 @@ class EagleProposer:
         # the catch-up's, every verifying request drafts)
         own_ids = not host_ids and picks == list(range(num_logits))
         every_request = which == list(range(len(step.logits_rows)))
-        positions, meta, (src_d, ks_d, ends_d, *ids) = batch_metadata(
+        positions, meta, (src_d, ks_d, ends_d, *optional) = batch_metadata(
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
             extra_int64=[np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, bases + lens)] +
             ([] if own_ids else [np.asarray(a, dtype=np.int64) for a in (host_ids, picks)]) +
             ([] if every_request else [np.asarray(which, dtype=np.int64)]),
             padding_from=num_rows if padding else None)
-        ids_d = step.argmax if own_ids else torch.cat([step.argmax, ids[0]])[ids[1]]
+        optional = iter(optional)  # host ids and picks, then which: those uploaded, in that order
+        ids_d = step.argmax if own_ids else torch.cat([step.argmax, next(optional)])[next(optional)]
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
-        n = step.num_accepted if every_request else step.num_accepted[ids[-1]]
+        n = step.num_accepted if every_request else step.num_accepted[next(optional)]
         ends = ends_d.view(2, -1) + n  # per request: its newest row in g and its context length L
         newest, context_lens = g[ends[0]], ends[1]
         chain = self.chain_graphs
