@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from specserve.engine.step_inputs import HostStaging, _layout
 from specserve.models.layers.attention import PAD_SLOT_ID, AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -67,12 +70,18 @@ class StepGraphs:
                     [(max_batch, t, t) for t in self.prefill_lens]
         max_tokens = max(t for _, t, _ in self.keys)
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_tokens,), PAD_SLOT_ID, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        # the graphs' integer inputs: views of one region (`stage` writes a step into it with one copy)
+        self.layout = _RegionLayout(-(-max_tokens // 2) * 2, max_batch, max_blocks)  # rows 16-byte aligned
+        self.region = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
+        lay = self.layout
+        self.input_ids, self.positions, self.slot_mapping = self.region[:lay.extras].view(torch.long).view(3, -1)
+        self.extras = self.region[lay.extras:lay.qsl].view(torch.long)
+        self.query_start_loc = self.region[lay.qsl:lay.seq_lens].view(torch.int32)[:max_batch + 1]
+        self.seq_lens = self.region[lay.seq_lens:lay.tables].view(torch.int32)[:max_batch]
+        self.block_tables = self.region[lay.tables:].view(torch.int32).view(max_batch, max_blocks)
+        self.slot_mapping.fill_(PAD_SLOT_ID)
+        self.seq_lens.fill_(1)
+        self.query_start_loc.copy_(torch.arange(max_batch + 1, dtype=torch.int32))
         self._arange = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         # a model's further per-token inputs (an EAGLE head's hidden states): name -> width
         dtype = next(model.parameters()).dtype
@@ -145,16 +154,79 @@ class StepGraphs:
         t = next(t for t in self.prefill_lens if t >= num_tokens)
         return self.sizes[-1], t, t
 
+    def stage(self, key: tuple[int, int, int], host: HostStaging, positions: np.ndarray, slots: np.ndarray,
+              cu: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray, extras: list[np.ndarray],
+              input_ids: np.ndarray | None = None) -> tuple[torch.Tensor, ...] | None:
+        """Write a step that graph `key` runs straight into the graphs' buffers, its padding included,
+        through one pinned host buffer and one copy (for `batch_metadata`; `run` then copies in only
+        the inputs that are not there yet): a copy per buffer costs the host a launch each, ~10 us on
+        an H200's host, on the path of every step. Returns views of the buffers: (input ids or None,
+        positions, slots, query_start_loc, seq_lens, block tables, *extras), valid until the next step
+        is staged (the device reads them in order); None where the step does not fit (more extras
+        than the region has room for: the caller uploads as usual). `input_ids`: the step's token ids
+        where the host has them all (else zeros go in, and `run` copies the device's)."""
+        batch, tokens, q = key
+        num_reqs, num_tokens = len(seq_lens), len(positions)
+        width = tables.shape[1]
+        lay = self.layout
+        offsets, room = _layout([len(a) for a in extras], 8)
+        if room > lay.extras_len or width > lay.max_blocks:
+            return None
+        w = lay.max_blocks
+        end = lay.tables + 4 * ((batch - 1) * w + (width if batch == num_reqs else 1))
+        buffer, slot = host.host_buffer(end)
+        t = lay.max_tokens
+        ints = buffer[:lay.qsl].view(np.int64)
+        # past the step's tokens, whole buffers: token 0 at position 0, writing no KV (the padding of
+        # this graph, and what a step `run` fills without staging finds there)
+        ints[:2 * t] = 0
+        if input_ids is not None:
+            ints[:num_tokens] = input_ids
+        ints[t:t + num_tokens] = positions
+        ints[2 * t:2 * t + num_tokens] = slots
+        ints[2 * t + num_tokens:3 * t] = PAD_SLOT_ID
+        for a, o in zip(extras, offsets):
+            ints[3 * t + o:3 * t + o + len(a)] = a
+        qsl = buffer[lay.qsl:lay.seq_lens].view(np.int32)
+        qsl[:num_reqs + 1] = cu
+        if q in self.prefill_lens:  # padding requests: no tokens
+            qsl[num_reqs + 1:batch + 1] = num_tokens
+        else:  # padding requests: one token each, past the real ones
+            qsl[num_reqs + 1:batch + 1] = np.arange(num_tokens + 1, num_tokens + batch - num_reqs + 1)
+        lens = buffer[lay.seq_lens:lay.tables].view(np.int32)
+        lens[:num_reqs] = seq_lens
+        lens[num_reqs:batch] = 1
+        # block tables: the real rows' first `width` columns (the rest is never read), and a padding
+        # request's first block (it reads one slot)
+        np.ndarray((num_reqs, width), np.int32, buffer, lay.tables, (4 * w, 4))[:] = tables
+        if batch > num_reqs:
+            np.ndarray((batch - num_reqs,), np.int32, buffer, lay.tables + 4 * num_reqs * w, (4 * w,))[:] = 0
+        host.upload(self.region[:end], slot, end)
+        views = [self.input_ids[:num_tokens] if input_ids is not None else None, self.positions[:num_tokens],
+                 self.slot_mapping[:num_tokens], self.query_start_loc[:num_reqs + 1], self.seq_lens[:num_reqs],
+                 self.block_tables[:num_reqs, :width]]
+        return tuple(views + [self.extras[o:o + len(a)] for a, o in zip(extras, offsets)])
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             key: tuple[int, int, int], **inputs: torch.Tensor) -> torch.Tensor:
-        """Replay the graph `key` (the step's `key(...)`); returns hidden [num_tokens, H]."""
+        """Replay the graph `key` (the step's `key(...)`); returns hidden [num_tokens, H]. A step that
+        `stage` wrote into the buffers copies in only its inputs that are not there yet."""
+        num_tokens = meta.num_tokens
+        for name, value in inputs.items():
+            self.inputs[name][:num_tokens].copy_(value)
+        if input_ids.data_ptr() != self.input_ids.data_ptr():
+            self.input_ids[:num_tokens].copy_(input_ids)
+        if meta.extra.get("staged") != key:
+            self._fill(positions, meta, key)
+        self.graphs[key].replay()
+        return self.outputs[key][:num_tokens]
+
+    def _fill(self, positions: torch.Tensor, meta: AttentionMetadata, key: tuple[int, int, int]) -> None:
+        """The step's metadata (device tensors) into the graphs' buffers, and the padding's."""
         n, num_tokens = meta.num_reqs, meta.num_tokens
         batch, tokens, q = key
         width = meta.block_tables.shape[1]
-        self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(positions)
-        for name, value in inputs.items():
-            self.inputs[name][:num_tokens].copy_(value)
         self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
         if tokens > num_tokens:  # padding tokens write no KV (a call over nothing still costs the host)
             self.slot_mapping[num_tokens:tokens].fill_(PAD_SLOT_ID)
@@ -167,5 +239,44 @@ class StepGraphs:
             self.seq_lens[n:batch].fill_(1)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.graphs[key].replay()
-        return self.outputs[key][:num_tokens]
+
+
+@dataclass(frozen=True)
+class _RegionLayout:
+    """Byte offsets of the graphs' integer buffers in their region: input ids, positions, KV slots
+    [max_tokens] int64 each, room for a step's further int64 arrays (`stage`'s extras), then
+    query_start_loc [max_batch + 1], seq_lens [max_batch] and block tables [max_batch, max_blocks]
+    int32; each on a 16-byte boundary."""
+
+    max_tokens: int
+    max_batch: int
+    max_blocks: int
+
+    @property
+    def extras(self) -> int:
+        return 3 * 8 * self.max_tokens
+
+    @property
+    def extras_len(self) -> int:  # int64 elements: a catch-up's or a step's index arrays
+        return 4 * self.max_tokens + 8 * self.max_batch + 64
+
+    @property
+    def qsl(self) -> int:
+        return self.extras + 8 * self.extras_len
+
+    @property
+    def seq_lens(self) -> int:
+        return self.qsl + 4 * _aligned(self.max_batch + 1)
+
+    @property
+    def tables(self) -> int:
+        return self.seq_lens + 4 * _aligned(self.max_batch)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tables + 4 * self.max_batch * self.max_blocks
+
+
+def _aligned(n: int) -> int:
+    """n int32 elements rounded up to 16 bytes."""
+    return -(-n // 4) * 4

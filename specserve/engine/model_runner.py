@@ -112,7 +112,8 @@ class ModelRunner:
             return step
         self.copy_blocks(sched.block_copies)
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.device, staging=self.staging,
-                                   prev_tokens=prev.pending if prev is not None else None, drafts=drafts)
+                                   prev_tokens=prev.pending if prev is not None else None, drafts=drafts,
+                                   graphs=self.target.graphs)
         hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.meta)
         if defer and inputs.logits_rows:
             step.pending = self._sample_deferred(inputs, hidden)

@@ -12,8 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from typing import TYPE_CHECKING
+
 from specserve.engine.outputs import ScheduledRequest
 from specserve.models.layers.attention import PAD_SLOT_ID, AttentionMetadata
+
+if TYPE_CHECKING:
+    from specserve.engine.cuda_graphs import StepGraphs
 
 
 @dataclass
@@ -68,6 +73,21 @@ class HostStaging:
             self._stream = torch.cuda.current_stream(self.device)
         slot[1] = self.last_event = torch.cuda.Event()
         slot[1].record(self._stream)
+
+    def host_buffer(self, nbytes: int) -> tuple[np.ndarray, list]:
+        """A host buffer of at least `nbytes` bytes (a uint8 numpy view) to fill and then `upload`,
+        and its handle (a ring slot, pinned, on CUDA; a fresh buffer on the CPU)."""
+        if not self.pinned:
+            buffer = np.zeros(nbytes, dtype=np.uint8)
+            return buffer, [torch.from_numpy(buffer), None]
+        slot = self._buffer(torch.uint8, nbytes)
+        return slot[0].numpy(), slot
+
+    def upload(self, dst: torch.Tensor, handle: list, nbytes: int) -> None:
+        """Copy the first `nbytes` of a `host_buffer` into `dst` (uint8, on the device)."""
+        dst.copy_(handle[0][:nbytes], non_blocking=self.pinned)
+        if self.pinned:
+            self._copied(handle)
 
     def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Pinned host views that the device tensors (1-D, one dtype) are being copied into; valid
@@ -150,12 +170,15 @@ def _padded_tables(tables: list[list[int]], min_width: int = 0) -> np.ndarray:
 
 def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
                    device: torch.device, pad_block_table_to: int = 0, staging: HostStaging | None = None,
-                   extra_int64: list[np.ndarray] = (), padding_from: int | None = None
+                   extra_int64: list[np.ndarray] = (), padding_from: int | None = None,
+                   graphs: StepGraphs | None = None, input_ids: np.ndarray | None = None
                    ) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
     """Positions [num_tokens] and attention metadata of a flat ragged batch: request i computes the
     last query_lens[i] of its seq_lens[i] tokens, whose KV lives in the blocks tables[i].
-    `extra_int64` arrays travel to the device in the same copy; they come back as the third result.
-    `padding_from`: the tokens from this one on are padding, whose KV is not written (PAD_SLOT_ID)."""
+    `extra_int64` arrays travel to the device in the same copy; they come back as the third result
+    (after the token ids, when `input_ids` are given). `padding_from`: the tokens from this one on
+    are padding, whose KV is not written (PAD_SLOT_ID). `graphs`: the executor's CUDA graphs; a
+    step one of them runs is written straight into their buffers (`StepGraphs.stage`)."""
     staging = staging or _staging_for(device)
     num_reqs = len(query_lens)
     q_lens = np.asarray(query_lens, dtype=np.int64)
@@ -170,14 +193,26 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
     slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
     if padding_from is not None:
         slots[padding_from:] = PAD_SLOT_ID
-    long_parts, (cu_d, s_lens_d, bt_d) = staging.to_device_groups(
-        [([positions, slots, *extra_int64], torch.int64), ([cu, s_lens, block_tables.ravel()], torch.int32)])
+    max_query_len = int(q_lens.max())
+    key = graphs.key(num_reqs, max_query_len, num_tokens) if graphs is not None else None
+    staged = key is not None and graphs.stage(key, staging, positions, slots, cu, s_lens, block_tables,
+                                              list(extra_int64), input_ids)
+    if staged:
+        ids_d, positions_d, slots_d, cu_d, s_lens_d, bt_d, *extras = staged
+        if input_ids is not None:
+            extras.insert(0, ids_d)
+    else:
+        key = None
+        arrays = [positions, slots, *([] if input_ids is None else [input_ids]), *extra_int64]
+        (positions_d, slots_d, *extras), (cu_d, s_lens_d, bt_d) = staging.to_device_groups(
+            [(arrays, torch.int64), ([cu, s_lens, block_tables.ravel()], torch.int32)])
+        bt_d = bt_d.view(num_reqs, max_blocks)
     meta = AttentionMetadata(
-        num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=int(q_lens.max()),
+        num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=max_query_len,
         max_seq_len=int(s_lens.max()), query_start_loc=cu_d, seq_lens=s_lens_d,
-        block_tables=bt_d.view(num_reqs, max_blocks), slot_mapping=long_parts[1],
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens), block_size=block_size)
-    return long_parts[0], meta, long_parts[2:]
+        block_tables=bt_d, slot_mapping=slots_d, query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
+        block_size=block_size, extra={} if key is None else {"staged": key})
+    return positions_d, meta, extras
 
 
 def chain_metadata(seq_lens: list[int], num_active: list[int], tables: list[list[int]], block_size: int,
@@ -212,7 +247,8 @@ def chain_metadata(seq_lens: list[int], num_active: list[int], tables: list[list
 
 def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
                       pad_block_table_to: int = 0, staging: HostStaging | None = None,
-                      prev_tokens: PendingTokens | None = None, drafts: DraftsInFlight | None = None) -> StepInputs:
+                      prev_tokens: PendingTokens | None = None, drafts: DraftsInFlight | None = None,
+                      graphs: StepGraphs | None = None) -> StepInputs:
     """Flat token ids / positions / slots and the attention metadata of one step. A request whose
     last token is still in flight (async scheduling) gets it from `prev_tokens` on the device, and
     one whose drafts are (placeholders on the host) gets them from `drafts` there."""
@@ -247,9 +283,10 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device
             end = len(input_ids)
             logits_rows.append((s, len(logits_idx), count))
             logits_idx += range(end - count, end)
-    extra = [np.asarray(a, dtype=np.int64) for a in (input_ids, logits_idx, fill_dst, fill_src, draft_dst, draft_src)]
+    extra = [np.asarray(a, dtype=np.int64) for a in (logits_idx, fill_dst, fill_src, draft_dst, draft_src)]
     positions, meta, (ids, logits_indices, dst, src, ddst, dsrc) = batch_metadata(
-        query_lens, seq_lens, tables, block_size, device, pad_block_table_to, staging, extra)
+        query_lens, seq_lens, tables, block_size, device, pad_block_table_to, staging, extra, graphs=graphs,
+        input_ids=np.asarray(input_ids, dtype=np.int64))
     if fill_dst:
         ids[dst] = prev_tokens.tokens[src]
     if draft_dst:

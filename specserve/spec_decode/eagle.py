@@ -249,7 +249,7 @@ class EagleProposer:
             extra_int64=[np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, bases + lens)] +
             ([] if own_ids else [np.asarray(a, dtype=np.int64) for a in (host_ids, picks)]) +
             ([] if every_request else [np.asarray(which, dtype=np.int64)]),
-            padding_from=num_rows if padding else None)
+            padding_from=num_rows if padding else None, graphs=ex.graphs)
         optional = iter(optional)  # host ids and picks, then which: those uploaded, in that order
         ids_d = step.argmax if own_ids else torch.cat([step.argmax, next(optional)])[next(optional)]
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))

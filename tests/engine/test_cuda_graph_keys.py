@@ -41,3 +41,75 @@ def test_prefill_graphs_split_the_kv_range_at_most_as_their_tokens_do():
     g = graphs(512)
     assert g._meta((8, 40, 5)).max_seq_len == 8192
     assert g._meta((8, 96, 96)).max_seq_len == 96 and g._meta((8, 512, 512)).max_seq_len == 512
+
+
+def _graph_view(g: StepGraphs, key: tuple[int, int, int], num_reqs: int, num_tokens: int, width: int) -> dict:
+    """What graph `key` reads of the buffers for a step of `num_reqs` requests and `num_tokens` tokens."""
+    batch, tokens, _ = key
+    return {"positions": g.positions[:tokens].clone(), "slots": g.slot_mapping[:tokens].clone(),
+            "qsl": g.query_start_loc[:batch + 1].clone(), "seq_lens": g.seq_lens[:batch].clone(),
+            "tables": g.block_tables[:num_reqs, :width].clone()}
+
+
+def test_a_staged_step_is_what_the_copies_would_write(monkeypatch):
+    """`batch_metadata(graphs=...)` writes a step straight into the graphs' buffers (one upload) and
+    `run` copies nothing more; without it `run` copies the step's tensors in (`_fill`). Both must give
+    the graph the same inputs, padding included, for decode, verification and prefill graphs, and
+    the step's other arrays must come back intact."""
+    import random
+
+    import numpy as np
+
+    from specserve.engine.step_inputs import HostStaging, batch_metadata
+
+    rng = random.Random(0)
+    g = graphs(300, max_num_seqs=8)
+    host = HostStaging(torch.device("cpu"))
+    fresh = host.host_buffer
+
+    def reused(nbytes):  # a pinned ring buffer holds what earlier steps wrote
+        buffer, handle = fresh(nbytes)
+        buffer[:] = 0x5A
+        return buffer, handle
+    monkeypatch.setattr(host, "host_buffer", reused)
+    for trial in range(300):
+        prefill = trial % 3 == 0
+        num_reqs = rng.randint(1, 8)
+        q_lens = [rng.randint(1, 5) for _ in range(num_reqs)]
+        if prefill:
+            q_lens[rng.randrange(num_reqs)] = rng.randint(6, 100)
+        s_lens = [q + rng.randint(0, 200) for q in q_lens]
+        tables = [[rng.randrange(1, 500) for _ in range(-(-s // 16))] for s in s_lens]
+        ids = np.asarray([rng.randrange(50_000) for _ in range(sum(q_lens))], dtype=np.int64)
+        extras = [np.asarray([rng.randrange(1000) for _ in range(rng.randint(0, 9))], dtype=np.int64)
+                  for _ in range(rng.randint(0, 4))]
+        key = g.key(num_reqs, max(q_lens), sum(q_lens))
+        if key is None:
+            continue
+        width = max(map(len, tables))
+        # the copies: plain tensors, then run's fill
+        positions, meta, (ids_d, *extras_d) = batch_metadata(q_lens, s_lens, tables, 16, torch.device("cpu"),
+                                                             staging=host, extra_int64=[ids, *extras])
+        g.region.fill_(0x5A)  # whatever earlier steps left behind
+        g._fill(positions, meta, key)
+        copied = _graph_view(g, key, num_reqs, meta.num_tokens, width)
+        # staged
+        g.region.fill_(0x5A)
+        staged_pos, staged_meta, (staged_ids, *staged_extras) = batch_metadata(
+            q_lens, s_lens, tables, 16, torch.device("cpu"), staging=host, extra_int64=extras, graphs=g,
+            input_ids=ids)
+        assert staged_meta.extra["staged"] == key
+        staged = _graph_view(g, key, num_reqs, meta.num_tokens, width)
+        n, batch, tokens = meta.num_tokens, key[0], key[1]
+        for name in ("slots", "qsl", "seq_lens", "tables"):
+            assert torch.equal(staged[name], copied[name]), (trial, name)
+        assert torch.equal(staged["positions"][:n], copied["positions"][:n])
+        assert not staged["positions"][n:].any() and not g.input_ids[n:tokens].any()  # padding: token 0 at 0
+        assert not g.block_tables[num_reqs:batch, 0].any()  # a padding request's one block
+        assert torch.equal(staged_ids, torch.from_numpy(ids)) and torch.equal(staged_ids, ids_d)
+        assert staged_ids.data_ptr() == g.input_ids.data_ptr() and torch.equal(staged_pos, positions)
+        assert all(torch.equal(a, b) for a, b in zip(staged_extras, extras_d)) and len(staged_extras) == len(extras)
+        for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+            assert torch.equal(getattr(staged_meta, name), getattr(meta, name)), (trial, name)
+        assert (staged_meta.num_reqs, staged_meta.num_tokens, staged_meta.max_query_len, staged_meta.max_seq_len) == \
+            (meta.num_reqs, meta.num_tokens, meta.max_query_len, meta.max_seq_len)
