@@ -129,6 +129,10 @@ def _time_phases(engine, phases: collections.Counter, annotate: bool = False, fi
             targets.append((proposer.chain_graphs, "run"))
         if annotate or fine:
             targets += [(proposer, name) for name in ("begin_step", "_store", "_sources") if hasattr(proposer, name)]
+        policy = getattr(proposer, "policy", None)
+        if fine and policy is not None:  # adaptive k's books and plans
+            targets += [(policy, name) for name in ("step_started", "step_finished", "step_skipped", "plan",
+                                                    "worth_trying", "observe")]
     saved = []
     for obj, name in targets:
         fn = getattr(obj, name)
