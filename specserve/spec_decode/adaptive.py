@@ -417,13 +417,9 @@ class AdaptiveK:
         alphas = {r: self.acceptance(keys[r]) for r in rooms}
         order = sorted(rooms, key=lambda r: -alphas[r])
         base_cost = self.costs(num_base_tokens)
-        extra_memo: dict[int, float] = {}
-
-        def extra(num_spec: int) -> float:  # what num_spec more verification tokens cost the target
-            value = extra_memo.get(num_spec)
-            if value is None:
-                value = extra_memo[num_spec] = self.costs(num_base_tokens + num_spec) - base_cost
-            return value
+        # what n more verification tokens cost the target, for every n a plan can reach
+        most = min(max_spec_tokens, sum(min(room, self.max_k) for room in rooms.values()))
+        extra = [self.costs(num_base_tokens + n) - base_cost for n in range(most + 1)]
 
         # expected accepted tokens count at the share the guard has seen drafting steps realize
         trust = self.guard.trust(num_base_tokens)
@@ -465,7 +461,7 @@ class AdaptiveK:
         return ks
 
     def _plan_with(self, order: list[str], alphas: dict[str, float], rooms: dict[str, int],
-                   extra: Callable[[int], float], max_spec_tokens: int, max_steps: int, trust: float,
+                   extra: list[float], max_spec_tokens: int, max_steps: int, trust: float,
                    base_cost: float, margin: float, draft_cost: float) -> tuple[float, float, dict[str, int], float]:
         """`plan` with at most `max_steps` draft steps of `draft_cost` each, paid for up front (when
         some request drafts): (expected tokens, cost, ks, the model's gain without the guard's scaling)."""
@@ -473,19 +469,21 @@ class AdaptiveK:
         fixed = max_steps * draft_cost + self.step_overhead
         tokens, num_spec, model_gain = float(len(rooms)), 0, 0.0
         cost = base_cost + fixed
+        min_gain, bar = self.min_gain, 1 + margin
         for req_id in order:
             alpha = alphas[req_id]
             best_k, best_tokens, best_cost, best_raw = 0, tokens, cost, 0.0
-            raw = 0.0
+            raw, power = 0.0, 1.0
             limit = min(max_steps, max_spec_tokens - num_spec)
             for k in range(1, min(limit, rooms[req_id]) + 1):
-                if alpha ** k < self.min_gain:
+                power *= alpha  # alpha ** k: the k-th draft's expected tokens
+                if power < min_gain:
                     break
-                raw += alpha ** k
+                raw += power
                 gain = trust * raw
-                new_cost = base_cost + fixed + extra(num_spec + k)
+                new_cost = base_cost + fixed + extra[num_spec + k]
                 # the drafts' tokens per unit of their own cost must beat the batch's by the margin
-                worth = gain * cost > (1 + margin) * tokens * (new_cost - cost)
+                worth = gain * cost > bar * tokens * (new_cost - cost)
                 if worth and (tokens + gain) * best_cost > best_tokens * new_cost:
                     best_k, best_tokens, best_cost, best_raw = k, tokens + gain, new_cost, raw
             if not best_k:
