@@ -405,7 +405,8 @@ class AdaptiveK:
             self._plan_steps = -1  # no drafts this time, but not because none would pay
             self._rest({keys[r] for r in rooms})
             return ks
-        if not self.worth_trying(len(rooms), num_base_tokens):  # no draft could pay: skip the search
+        if not self._spell and not self.worth_trying(len(rooms), num_base_tokens):
+            # no draft could pay: skip the search (a spell's steps search at once: mostly they draft)
             return self._settle(ks, keys, 0.0, 1.0)
         # The draft steps' cost is shared: one draft forward serves every drafting request, so it is
         # a fixed cost of the step. For each number of draft steps K it is paid up front; requests,
@@ -454,7 +455,8 @@ class AdaptiveK:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("plan at step %d: K %d, %d of %d drafting, gain %.2f, cost x%.2f", self.guard.num_steps,
                          self._plan_steps, sum(1 for k in ks.values() if k), len(ks), model_gain, cost_ratio)
-        self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
+        if not all(ks.values()):
+            self._rest({keys[r] for r, k in ks.items() if k == 0} - {keys[r] for r, k in ks.items() if k})
         if self._plan_steps == 0 and self.shared_prior:  # the shared estimate drifts back too
             self._pool.accepted *= self.pool_rest_decay
             self._pool.tried *= self.pool_rest_decay
