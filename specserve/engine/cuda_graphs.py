@@ -79,10 +79,10 @@ class StepGraphs:
         self.query_start_loc = self.region[lay.qsl:lay.seq_lens].view(torch.int32)[:max_batch + 1]
         self.seq_lens = self.region[lay.seq_lens:lay.tables].view(torch.int32)[:max_batch]
         self.block_tables = self.region[lay.tables:].view(torch.int32).view(max_batch, max_blocks)
+        self._arange = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.slot_mapping.fill_(PAD_SLOT_ID)
         self.seq_lens.fill_(1)
-        self.query_start_loc.copy_(torch.arange(max_batch + 1, dtype=torch.int32))
-        self._arange = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.query_start_loc.copy_(self._arange)
         # a model's further per-token inputs (an EAGLE head's hidden states): name -> width
         dtype = next(model.parameters()).dtype
         self.inputs = {name: torch.zeros(max_tokens, width, dtype=dtype, device=device)
@@ -165,7 +165,7 @@ class StepGraphs:
         is staged (the device reads them in order); None where the step does not fit (more extras
         than the region has room for: the caller uploads as usual). `input_ids`: the step's token ids
         where the host has them all (else zeros go in, and `run` copies the device's)."""
-        batch, tokens, q = key
+        batch, _, q = key
         num_reqs, num_tokens = len(seq_lens), len(positions)
         width = tables.shape[1]
         lay = self.layout
