@@ -91,6 +91,7 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int,
     before = engine.stats()
     pending = list(enumerate(prompts))
     num_out, steps, in_flight, tpots, step_s = 0, 0, 0, [], []
+    sync_s = []  # the steps the engine did not leave in flight (async scheduling): their times
     probe = StallProbe()
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
@@ -99,9 +100,11 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int,
             engine.add_request(f"b{time.monotonic_ns()}-{i}", {"prompt_token_ids": p},
                                params[i] if isinstance(params, list) else params)
             in_flight += 1
-        t_step = time.perf_counter()
+        t_step, deferred = time.perf_counter(), engine.num_deferred_steps
         outs = engine.step()
         step_s.append(time.perf_counter() - t_step)
+        if engine.num_deferred_steps == deferred:
+            sync_s.append(step_s[-1])
         for out in outs:
             if out.finished:
                 in_flight -= 1
@@ -131,6 +134,8 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int,
         "acceptance_rate": round(accepted / delta["spec_decode_num_draft_tokens"], 3) if drafts else None,
         "accepted_per_pos": per_pos, "acceptance_per_position": conditional_rates(per_pos, drafts),
         "slowest_steps_ms": [round(1000 * t, 1) for t in sorted(step_s)[-3:]],  # a stall shows here
+        # steps not left in flight (prefills, verifications, the policy's plans) and their share of the time
+        "sync_steps": len(sync_s), "sync_steps_s": round(sum(sync_s), 3),
         **causes,
     }
 
@@ -232,7 +237,8 @@ def merge_runs(runs: list[dict]) -> dict:
     out["acceptance_rate"] = round(out["num_accepted_tokens"] / out["num_draft_tokens"], 3) if drafts else None
     out["repeats"] = len(runs)
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
-    for key in ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries"):
+    for key in ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries", "sync_steps",
+                "sync_steps_s"):
         out[key] = [r[key] for r in runs]
     return out
 

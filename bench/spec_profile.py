@@ -121,7 +121,7 @@ def _time_phases(engine, phases: collections.Counter, annotate: bool = False, fi
         if torch.cuda.is_available():  # the host's waits for the device
             targets.append((torch.cuda.Event, "synchronize"))
     if proposer is not None:
-        names = ("propose", "skip", "_catch_up", "_chain", "draft_on_device", "drafted")
+        names = ("propose", "idle", "skip", "_catch_up", "_chain", "draft_on_device", "drafted")
         targets += [(proposer, name) for name in names if hasattr(proposer, name)]
         if runner.rejection_sampler is not None:
             targets += [(runner.rejection_sampler, "verify"), (runner.rejection_sampler, "greedy_on_device")]
@@ -249,7 +249,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--eagle", default=None, help="a head directory, or with dummy weights any value")
+    ap.add_argument("--eagle", default=None,
+                    help="a head directory, or with dummy weights any value (dummy3: a head that fuses target layers)")
     ap.add_argument("--eagle-acceptance", type=float, nargs="+", default=None,
                     help="dummy weights: acceptance per draft position (BENCHMARK-ONLY replay)")
     ap.add_argument("--k", type=int, default=4)
@@ -265,7 +266,8 @@ def main() -> int:
     ap.add_argument("--fine", action="store_true", help="time more phases (no profiler)")
     ap.add_argument("--no-cprofile", action="store_true", help="skip the cProfile runs")
     args = ap.parse_args()
-    spec = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive}
+    method = "eagle3" if args.load_format == "dummy" and args.eagle == "dummy3" else "eagle"
+    spec = {"method": method, "model": args.eagle, "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive}
     if args.load_format == "dummy":
         spec.update(load_format="dummy", simulated_acceptance=args.eagle_acceptance or [0.8])
     results = {"args": vars(args), "host_probe_ms": host_probe(), "levels": []}
