@@ -265,14 +265,14 @@ class EagleProposer:
         return pending
 
     def _padding(self, num_rows: int, tables: list[list[int]]) -> list[int]:
-        """Query lengths of padding requests that bring an eager catch-up of `num_rows` rows to the
-        next power of two: GEMMs of a new row count pay for cuBLAS's choice of kernel and the
+        """Query lengths of padding requests that bring an eager catch-up of `num_rows` rows to its
+        bucket (`catch_up_rows`): GEMMs of a new row count pay for cuBLAS's choice of kernel and the
         allocator's new blocks on the host (several ms a catch-up at a drafting spell's start, on an
         H200), where a bucketed count meets the ones seen before. (A catch-up a CUDA graph holds, as
         a drafting spell's steady steps are, is not padded: its graph pads the batch.) Each padding
         request stays within the positions of the widest block table (a zero-padded row of the
         batch's tables: block 0, only read)."""
-        pad = (1 << (num_rows - 1).bit_length()) - num_rows
+        pad = catch_up_rows(num_rows) - num_rows
         span = max(len(t) for t in tables) * self.entries.block_size
         return [min(span, pad - i) for i in range(0, pad, span)]
 
@@ -401,6 +401,19 @@ class EagleProposer:
                 full[vocab] = q[i]
                 probs[i].append(full)
         return vocab[picked]
+
+
+def catch_up_rows(num_rows: int) -> int:
+    """The bucket an eager catch-up of `num_rows` rows is padded to: the next power of two up to 512
+    rows, then the next multiple of a sixteenth of it (8 buckets per doubling, at most 1/8 of the rows
+    padding): a spell's start at many requests catches up over every position since the head last
+    ran for them (64 requests of 300 tokens: 19,200 rows), where the next power of two would
+    compute up to twice the rows."""
+    bucket = 1 << (num_rows - 1).bit_length()
+    if bucket <= 512:
+        return bucket
+    step = bucket >> 4
+    return -(-num_rows // step) * step
 
 
 def _verified(s: ScheduledRequest, out: ModelRunnerOutput) -> int:
