@@ -142,15 +142,21 @@ class AdaptiveK:
         # same batch-size bucket): estimates near the bar would otherwise flip drafting on and off,
         # paying each start. How recent
         # drafting steps fared against the plain step (realized speedup - 1, the steps that started
-        # spells included) is kept per batch-size bucket; a spell that ends on a loss doubles the wait
-        # before that bucket plans again (`backoff`: 16, 32, .. 8 << max_backoff steps), one that ends
-        # on a gain resets it. Retries of drafts that lose thus cost a vanishing share of the steps.
+        # spells included) is kept per batch-size bucket; a spell that ends on a loss bars its bucket
+        # from starting another for (8 << backoff) x max(1, lost) steps from its end, whatever runs
+        # between (probes, other buckets' plans): `backoff` counts the spells in a row that ended on a
+        # loss (16, 32, .. 8 << max_backoff), `lost` is how many plain steps' time the last spell cost
+        # beyond the plain time of its tokens. So retries of drafts that lose cost about 1 / (8 <<
+        # backoff) of the steps however dear a start is (a head's catch-up at 64 requests on 8B shapes:
+        # ~5 plain steps; at one request about one). A spell that ends on a gain lifts the bar.
         self.stay_margin = -0.1
         self.max_backoff = 6
         self._spell = 0  # plans in a row that drafted
         self._spell_bucket = 0  # the batch-size bucket of its last plan
+        self._spell_lost = 0.0  # plain steps' time the last spell's judged steps lost (net of gains)
         self._realized: dict[int, float] = {}  # batch bucket -> recent realized speedup - 1 (EMA)
         self._backoff: dict[int, int] = {}  # batch bucket -> spells in a row that ended on a loss
+        self._barred: dict[int, int] = {}  # batch bucket -> the step its last spell ended on a loss at
         self._est: dict[str, _Estimate] = {}
 
     def forget_measurements(self) -> None:
@@ -168,8 +174,10 @@ class AdaptiveK:
         self._skip_run = 0
         self._probe_left = self._skips_since_plan = self._empty_plans = self._spell = 0
         self._plan_steps = -1
+        self._spell_lost = 0.0
         self._realized.clear()
         self._backoff.clear()
+        self._barred.clear()
 
     def acceptance(self, key: Hashable) -> float:
         """Estimated probability that a draft token under `key` is accepted (the previous one was)."""
@@ -242,11 +250,22 @@ class AdaptiveK:
     def plans_nothing(self, num_sampled: int = 0) -> bool:
         """Did the last plan give no drafts (and is it recent enough to go by without planning, for a
         batch of `num_sampled` sampling requests)?"""
+        if not self._spell and self.barred(num_sampled):
+            return True
         wait = min(self.replan_every, 4 << min(self._empty_plans, 8))
-        backoff = self._backoff.get(batch_bucket(num_sampled), 0)
-        if backoff:
-            wait = max(wait, 8 << backoff)
         return self._plan_steps == 0 and self._skips_since_plan < wait
+
+    def barred(self, num_sampled: int) -> bool:
+        """May a batch of `num_sampled` sampling requests not start a spell yet (its bucket's last one
+        ended on a loss, too few steps ago)?"""
+        bucket = batch_bucket(num_sampled)
+        ended = self._barred.get(bucket)
+        if ended is None:
+            return False
+        wait = 8 << self._backoff.get(bucket, 0)
+        if bucket == self._spell_bucket:  # the last spell's: in proportion to what it lost
+            wait *= max(1.0, self._spell_lost)
+        return self.guard.num_steps - ended < wait
 
     def probing(self) -> bool:
         """Are plain steps being timed (under async scheduling: they should run deferred)?"""
@@ -292,7 +311,8 @@ class AdaptiveK:
             # one that started a spell is what starting it cost
             unit = self.guard.plain_unit(num_base_tokens)
             if made_drafts and unit is not None and seconds > 0:
-                self._fared(num_sampled, unit * self.costs(num_base_tokens) / seconds)
+                plain = unit * self.costs(num_base_tokens)
+                self._fared(num_sampled, plain / seconds, seconds / plain)
             logger.debug("step %d: base %d, synchronous, took %.3f ms%s", self.guard.num_steps, num_base_tokens,
                          seconds * 1e3, ", started a spell" if made_drafts else "")
             self.guard.tick()
@@ -309,19 +329,21 @@ class AdaptiveK:
             cost_ratio += (self.step_overhead - plan_overhead) / self.costs(num_base_tokens)
         speedup = self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled,
                                      num_accepted, num_draft_tokens, predicted, cost_ratio)
-        if speedup is not None:
-            self._fared(num_sampled, speedup)
+        unit = self.guard.plain_unit(num_base_tokens)
+        if speedup is not None and unit is not None:
+            self._fared(num_sampled, speedup, seconds / (unit * self.costs(num_base_tokens)))
         if logger.isEnabledFor(logging.DEBUG):
-            unit = self.guard.plain_unit(num_base_tokens)
             logger.debug("step %d: base %d drafts %d steps %d took %.3f ms = %s plain; overhead %.2f trust %.2f"
                          " speedup %s", self.guard.num_steps, num_base_tokens, num_draft_tokens, num_draft_steps,
                          seconds * 1e3, f"{seconds / unit:.2f}" if unit else "?", self.step_overhead,
                          self.guard.trust(num_base_tokens), f"{speedup:.2f}" if speedup else "?")
 
-    def _fared(self, num_sampled: int, speedup: float) -> None:
-        """A step of a spell (or one that started it) ran at `speedup` x the plain step's throughput."""
+    def _fared(self, num_sampled: int, speedup: float, plain_steps: float) -> None:
+        """A step of a spell (or one that started it), `plain_steps` plain steps' time long, ran at
+        `speedup` x the plain step's throughput."""
         bucket = batch_bucket(num_sampled)
         self._realized[bucket] = 0.7 * self._realized.get(bucket, 0.0) + 0.3 * (speedup - 1.0)
+        self._spell_lost += plain_steps * (1.0 - speedup)
 
     def _end_spell(self, num_sampled: int) -> None:
         """A spell ended: back off its bucket's next plans if its recent drafting steps lost."""
@@ -329,8 +351,10 @@ class AdaptiveK:
         realized = self._realized.get(bucket)
         if realized is not None and realized < 0:
             self._backoff[bucket] = min(self._backoff.get(bucket, 0) + 1, self.max_backoff)
+            self._barred[bucket] = self.guard.num_steps
         elif realized is not None:
             self._backoff.pop(bucket, None)
+            self._barred.pop(bucket, None)
         self._spell = 0
 
     def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
@@ -398,6 +422,8 @@ class AdaptiveK:
             # with the requests that come next, which plan at once)
             self._plan_steps = -1
             return ks
+        if not self._spell and self.barred(len(rooms)):  # no spell starts here yet, and no probe is needed
+            return self._settle(ks, keys, 0.0, 1.0)
         if max_spec_tokens <= 0 or self.probing() or self.guard.wants_probe(num_base_tokens):
             if not self.probing() and self.async_steps and max_spec_tokens > 0:
                 # a few plain steps, deferred: those after the first STEADY_AFTER, but the last, are timed
@@ -446,6 +472,8 @@ class AdaptiveK:
         self._plan_steps = max(ks.values(), default=0)
         self._empty_plans = self._empty_plans + 1 if self._plan_steps == 0 else 0
         if self._plan_steps:
+            if not self._spell:
+                self._spell_lost = 0.0
             self._spell += 1
             self._spell_bucket = batch_bucket(len(ks))
         elif self._spell:
