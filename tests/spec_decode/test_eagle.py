@@ -232,16 +232,16 @@ def test_padded_catch_ups_draft_as_unpadded_ones(tiny_llama_dir, trained_head_di
 
 
 def test_catch_up_buckets_are_powers_of_two_then_eighths_of_a_doubling():
-    """Small catch-ups pad to the next power of two; past 512 rows to the next of 8 buckets per
-    doubling, so a spell's start over many requests' histories computes at most 1/8 more rows."""
+    """Catch-ups pad to the next power of two; past 8192 rows to the next of 8 buckets per doubling,
+    so a spell's start over many requests' histories computes at most 1/8 more rows."""
     from specserve.spec_decode.eagle import catch_up_rows
 
-    assert [catch_up_rows(n) for n in (1, 2, 3, 5, 17, 300, 512)] == [1, 2, 4, 8, 32, 512, 512]
-    assert [catch_up_rows(n) for n in (513, 577, 1024, 1025, 19200)] == [576, 640, 1024, 1152, 20480]
+    assert [catch_up_rows(n) for n in (1, 2, 3, 5, 17, 300, 513, 8192)] == [1, 2, 4, 8, 32, 512, 1024, 8192]
+    assert [catch_up_rows(n) for n in (8193, 9217, 16384, 16385, 19200)] == [9216, 10240, 16384, 18432, 20480]
     for n in range(1, 70000, 37):
         b = catch_up_rows(n)
         assert n <= b and catch_up_rows(b) == b
-        assert b & (b - 1) == 0 if n <= 512 else (b - n) * 8 <= n
+        assert b & (b - 1) == 0 if n <= 8192 else (b - n) * 8 <= n
 
 
 def test_drafting_on_the_device_with_adaptive_k_async_steps_and_random_requests(tiny_llama_dir, trained_head_dir):
