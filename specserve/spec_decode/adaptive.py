@@ -249,7 +249,7 @@ class AdaptiveK:
 
     def plans_nothing(self, num_sampled: int = 0) -> bool:
         """Did the last plan give no drafts (and is it recent enough to go by without planning, for a
-        batch of `num_sampled` sampling requests)?"""
+        batch of `num_sampled` sampling requests), or may such a batch not start a spell yet (`barred`)?"""
         if not self._spell and self.barred(num_sampled):
             return True
         wait = min(self.replan_every, 4 << min(self._empty_plans, 8))
