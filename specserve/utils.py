@@ -42,6 +42,13 @@ def parse_size(value: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {value!r} (e.g. 2G, 512M)") from None
 
 
+def round_up_to_bits(n: int, bits: int) -> int:
+    """The smallest count >= n (n >= 1) with at most `bits` significant bits: 2 ** (bits - 1) buckets per
+    doubling, each at most 1 / 2 ** (bits - 1) wider than n (bits 3: 16, 20, 24, 28, 32, 40, ...)."""
+    shift = max(n.bit_length() - bits, 0)
+    return -(-n >> shift) << shift
+
+
 def exit_reason(code: int | None) -> str:
     """How a child process ended, from its exit code (None: still running), as a phrase."""
     if code is None:

@@ -34,12 +34,11 @@ shapes of the k it picks can flip near-ties).
 """
 from __future__ import annotations
 
+from specserve.utils import round_up_to_bits
+
 
 def _unit_bucket(num_tokens: int) -> int:
-    if num_tokens <= 16:
-        return num_tokens
-    shift = num_tokens.bit_length() - 3
-    return -(-num_tokens >> shift) << shift
+    return num_tokens if num_tokens <= 16 else round_up_to_bits(num_tokens, 3)
 
 
 def batch_bucket(num: int) -> int:
