@@ -305,13 +305,14 @@ class AdaptiveK:
         """A synchronous step took `seconds`: to the guard (and a drafting step's to `step_overhead`).
         `self._plan_steps` is still the plan made during this step (its drafts for the next one)."""
         made_drafts = self._plan_steps > 0
+        base_cost = self.costs(num_base_tokens)
         if num_draft_tokens == 0 and self.async_steps and not self.probing():
             # a plain step run synchronously costs more than one left in flight: not the reference
             # (unless a probe step could not be deferred: requests with penalties, grammars, ...);
             # one that started a spell is what starting it cost
             unit = self.guard.plain_unit(num_base_tokens)
             if made_drafts and unit is not None and seconds > 0:
-                plain = unit * self.costs(num_base_tokens)
+                plain = unit * base_cost
                 self._fared(num_sampled, plain / seconds, seconds / plain)
             logger.debug("step %d: base %d, synchronous, took %.3f ms%s", self.guard.num_steps, num_base_tokens,
                          seconds * 1e3, ", started a spell" if made_drafts else "")
@@ -326,12 +327,12 @@ class AdaptiveK:
             self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, seconds)
             # the guard's trust is for what the cost model, with the overhead learned since the plan,
             # does not explain: the overhead alone prices a drafting step's extra time
-            cost_ratio += (self.step_overhead - plan_overhead) / self.costs(num_base_tokens)
-        speedup = self.guard.observe(num_base_tokens, self.costs(num_base_tokens), seconds, num_sampled,
-                                     num_accepted, num_draft_tokens, predicted, cost_ratio)
+            cost_ratio += (self.step_overhead - plan_overhead) / base_cost
+        speedup = self.guard.observe(num_base_tokens, base_cost, seconds, num_sampled, num_accepted,
+                                     num_draft_tokens, predicted, cost_ratio)
         unit = self.guard.plain_unit(num_base_tokens)
         if speedup is not None and unit is not None:
-            self._fared(num_sampled, speedup, seconds / (unit * self.costs(num_base_tokens)))
+            self._fared(num_sampled, speedup, seconds / (unit * base_cost))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d: base %d drafts %d steps %d took %.3f ms = %s plain; overhead %.2f trust %.2f"
                          " speedup %s", self.guard.num_steps, num_base_tokens, num_draft_tokens, num_draft_steps,
