@@ -1,23 +1,42 @@
 """Triton kernels of specserve and their plain-PyTorch references (import name `specserve.kernels`)."""
-from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
-from specserve.kernels.attention_config import KernelConfig, select_configs
-from specserve.kernels.paged_attention import paged_attention, ref_paged_attention, warm_up_paged_attention
-from specserve.kernels.reshape_and_cache import ref_reshape_and_cache, reshape_and_cache
-from specserve.kernels.rms_norm import ref_rms_norm, rms_norm
-from specserve.kernels.rotary import ref_rotary_embedding, rotary_embedding
+import sys
 
-__all__ = [
-    "KernelConfig",
-    "paged_attention",
-    "ref_paged_attention",
-    "ref_reshape_and_cache",
-    "ref_rms_norm",
-    "ref_rotary_embedding",
-    "ref_silu_and_mul",
-    "reshape_and_cache",
-    "rms_norm",
-    "rotary_embedding",
-    "select_configs",
-    "silu_and_mul",
-    "warm_up_paged_attention",
-]
+if __name__ == "kernels":
+    # Imported as top-level `kernels`: the checkout's root is on sys.path (pytest, `python -m` run from
+    # it) and this folder shadows the PyPI package of that name, which recent transformers depend on
+    # and import (transformers 5.25: even a LlamaConfig does). Load that package in our place.
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None or _spec.loader is None:
+        raise ImportError("no package `kernels` is installed (this folder is `specserve.kernels`)")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module  # what `import kernels` returns
+    _spec.loader.exec_module(_module)
+else:
+    from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
+    from specserve.kernels.attention_config import KernelConfig, select_configs
+    from specserve.kernels.paged_attention import paged_attention, ref_paged_attention, warm_up_paged_attention
+    from specserve.kernels.reshape_and_cache import ref_reshape_and_cache, reshape_and_cache
+    from specserve.kernels.rms_norm import ref_rms_norm, rms_norm
+    from specserve.kernels.rotary import ref_rotary_embedding, rotary_embedding
+
+    __all__ = [
+        "KernelConfig",
+        "paged_attention",
+        "ref_paged_attention",
+        "ref_reshape_and_cache",
+        "ref_rms_norm",
+        "ref_rotary_embedding",
+        "ref_silu_and_mul",
+        "reshape_and_cache",
+        "rms_norm",
+        "rotary_embedding",
+        "select_configs",
+        "silu_and_mul",
+        "warm_up_paged_attention",
+    ]

@@ -213,3 +213,29 @@ def test_no_import_cycles_through_deferred_imports():
     graph = _import_graph(deferred=True)
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle (counting imports inside functions): " + " -> ".join(cycle)
+
+
+def test_the_checkout_root_on_sys_path_does_not_shadow_the_package_kernels():
+    """kernels/ (installed as specserve.kernels) sits at the checkout's root, which pytest and `python -m`
+    put on sys.path; recent transformers depend on a PyPI package named `kernels` and import it even for
+    a LlamaConfig. Imported as top-level `kernels`, the folder loads that package in its place (or says
+    none is installed); a fresh environment with transformers 5.25 failed every test here before."""
+    code = ("import importlib.metadata, sys\n"
+            "try:\n"
+            "    importlib.metadata.version('kernels')\n"
+            "    installed = True\n"
+            "except importlib.metadata.PackageNotFoundError:\n"
+            "    installed = False\n"
+            "try:\n"
+            "    import kernels\n"
+            "except ImportError as e:\n"
+            "    assert not installed and 'specserve.kernels' in str(e), e\n"
+            "else:\n"
+            f"    assert installed and not kernels.__file__.startswith({str(ROOT / 'kernels')!r}), kernels.__file__\n"
+            "import specserve.kernels\n"
+            f"assert specserve.kernels.__file__.startswith({str(ROOT / 'kernels')!r})\n"
+            "assert callable(specserve.kernels.rms_norm)\n"
+            "from transformers import LlamaConfig\n"
+            "LlamaConfig()\n")
+    proc = _python("-c", code)
+    assert proc.returncode == 0, proc.stderr
