@@ -4,7 +4,9 @@ import sys
 if __name__ == "kernels":
     # Imported as top-level `kernels`: the checkout's root is on sys.path (pytest, `python -m` run from
     # it) and this folder shadows the PyPI package of that name, which recent transformers depend on
-    # and import (transformers 5.25: even a LlamaConfig does). Load that package in our place.
+    # and import (transformers 5.25: even a LlamaConfig does). Load that package in our place; where
+    # none is installed, stay an empty module (transformers 5.17 imports the name to look for a
+    # version, and takes none as "not available").
     import importlib.machinery
     import importlib.util
     import os
@@ -12,11 +14,10 @@ if __name__ == "kernels":
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _spec = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
-    if _spec is None or _spec.loader is None:
-        raise ImportError("no package `kernels` is installed (this folder is `specserve.kernels`)")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module  # what `import kernels` returns
-    _spec.loader.exec_module(_module)
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module  # what `import kernels` returns
+        _spec.loader.exec_module(_module)
 else:
     from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
     from specserve.kernels.attention_config import KernelConfig, select_configs

@@ -218,24 +218,35 @@ def test_no_import_cycles_through_deferred_imports():
 def test_the_checkout_root_on_sys_path_does_not_shadow_the_package_kernels():
     """kernels/ (installed as specserve.kernels) sits at the checkout's root, which pytest and `python -m`
     put on sys.path; recent transformers depend on a PyPI package named `kernels` and import it even for
-    a LlamaConfig. Imported as top-level `kernels`, the folder loads that package in its place (or says
-    none is installed); a fresh environment with transformers 5.25 failed every test here before."""
+    a LlamaConfig. Imported as top-level `kernels`, the folder loads that package in its place (or, with
+    none installed, is an empty module: transformers 5.17 imports the name to look for a version); a fresh
+    environment with transformers 5.25 failed every test here before."""
     code = ("import importlib.metadata, sys\n"
             "try:\n"
             "    importlib.metadata.version('kernels')\n"
             "    installed = True\n"
             "except importlib.metadata.PackageNotFoundError:\n"
             "    installed = False\n"
-            "try:\n"
-            "    import kernels\n"
-            "except ImportError as e:\n"
-            "    assert not installed and 'specserve.kernels' in str(e), e\n"
-            "else:\n"
-            f"    assert installed and not kernels.__file__.startswith({str(ROOT / 'kernels')!r}), kernels.__file__\n"
+            "import kernels\n"
+            f"ours = kernels.__file__.startswith({str(ROOT / 'kernels')!r})\n"
+            "assert ours != installed, (installed, kernels.__file__)\n"
+            "assert not ours or not hasattr(kernels, 'rms_norm') and not hasattr(kernels, '__version__')\n"
             "import specserve.kernels\n"
             f"assert specserve.kernels.__file__.startswith({str(ROOT / 'kernels')!r})\n"
             "assert callable(specserve.kernels.rms_norm)\n"
             "from transformers import LlamaConfig\n"
             "LlamaConfig()\n")
     proc = _python("-c", code)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_checkout_root_on_sys_path_without_the_package_kernels():
+    """With no package `kernels` installed (the GPU machine), the folder imported as top-level `kernels` is
+    an empty module, which transformers takes as "not installed"."""
+    code = ("import sys\n"
+            f"sys.path = [p for p in sys.path if 'site-packages' not in p and 'dist-packages' not in p] + [{str(ROOT)!r}]\n"
+            "import kernels\n"
+            f"assert kernels.__file__.startswith({str(ROOT / 'kernels')!r}), kernels.__file__\n"
+            "assert not hasattr(kernels, 'rms_norm') and not hasattr(kernels, '__version__')\n")
+    proc = _python("-S", "-c", code)
     assert proc.returncode == 0, proc.stderr
