@@ -244,7 +244,8 @@ def test_the_checkout_root_on_sys_path_without_the_package_kernels():
     """With no package `kernels` installed (the GPU machine), the folder imported as top-level `kernels` is
     an empty module, which transformers takes as "not installed"."""
     code = ("import sys\n"
-            f"sys.path = [p for p in sys.path if 'site-packages' not in p and 'dist-packages' not in p] + [{str(ROOT)!r}]\n"
+            "sys.path = [p for p in sys.path if 'site-packages' not in p and 'dist-packages' not in p]\n"
+            f"sys.path.append({str(ROOT)!r})\n"
             "import kernels\n"
             f"assert kernels.__file__.startswith({str(ROOT / 'kernels')!r}), kernels.__file__\n"
             "assert not hasattr(kernels, 'rms_norm') and not hasattr(kernels, '__version__')\n")

@@ -97,6 +97,10 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
     policy.measure_draft_cost = spec.draft_cost is None
     policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else \
         module.cfg.num_params / target.arch.num_params
+    # a catch-up position: the draft model's forward without its logits, against a target token's (or
+    # what a draft step is said to cost)
+    policy.catch_up_share = spec.draft_cost if spec.draft_cost is not None else \
+        (module.cfg.num_params - module.cfg.vocab_size * module.cfg.hidden_size) / target.arch.num_params
     logger.info("draft model %s: %.0fM params, draft step ~%.2f target steps", spec.model,
                 module.cfg.num_params / 1e6, policy.draft_cost)
     return DraftModelProposer(module, policy, identity=identity, num_speculative_tokens=spec.num_speculative_tokens,
@@ -132,6 +136,10 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
     fuse_target_layers(target, head.aux_layers, head.fuse_layers)
     policy.measure_draft_cost = spec.draft_cost is None
     policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else head.num_params / target.arch.num_params
+    # a catch-up position: the head's layer and fc (logits only for the newest), against a target token's (or
+    # what a draft step is said to cost)
+    policy.catch_up_share = spec.draft_cost if spec.draft_cost is not None else \
+        (head.num_params - head.draft_vocab_size * head.cfg.hidden_size) / target.arch.num_params
     logger.info("EAGLE head %s: %.1fM params, draft vocabulary %d, draft step ~%.3f target steps", path,
                 head.num_params / 1e6, head.draft_vocab_size, policy.draft_cost)
     return EagleProposer(head, policy, identity=(str(path), str(target.dtype)),

@@ -28,8 +28,9 @@ The model is checked against the clock (specserve/spec_decode/guard.py): a propo
 steps (`step_started` / `step_finished` / `step_skipped`) lets the guard compare drafting steps with
 plain ones; the expected accepted tokens are scaled by the share it sees realized (`trust`, <= 1),
 and what a drafting step costs beyond the model (`step_overhead`) is measured and priced in.
-Drafting runs in spells: started at the margin, continued within `stay_margin`, and backed off per
-batch size after spells that lost (docs/speculative.md, Adaptive k).
+Drafting runs in spells: started at the margin if the drafts would soon repay the drafter's catch-up,
+continued within `stay_margin`, and backed off per batch size after spells that lost
+(docs/speculative.md, Adaptive k).
 """
 from __future__ import annotations
 
@@ -151,6 +152,17 @@ class AdaptiveK:
         # ~5 plain steps; at one request about one). A spell that ends on a gain lifts the bar.
         self.stay_margin = -0.1
         self.max_backoff = 6
+        # A spell's start also pays its drafter's catch-up (a head's or a draft model's entries over
+        # every position since it last ran for the drafting requests: `plan`'s `catch_up`), each
+        # position `catch_up_share` of a target token's compute (the drafter's parameters per position
+        # over the target's per verified token; 0: not priced). A spell starts only if the gain the
+        # model predicts repays that within as many steps as spells at its batch size have lasted (an
+        # average, halfway to each spell's plans; `spell_horizon` before any): at 64 requests on 8B
+        # shapes spells lasted 1-2 steps, each start caught up 8,000-16,000 positions (2-4 plain
+        # steps) for drafts the model prices at ~0.2 plain steps' gain a step, and lost ~2 plain steps.
+        self.catch_up_share = 0.0
+        self.spell_horizon = 16.0
+        self._spell_steps: dict[int, float] = {}  # batch bucket -> how many plans its spells lasted (average)
         self._spell = 0  # plans in a row that drafted
         self._spell_bucket = 0  # the batch-size bucket of its last plan
         self._spell_lost = 0.0  # plain steps' time the last spell's judged steps lost (net of gains)
@@ -178,6 +190,7 @@ class AdaptiveK:
         self._realized.clear()
         self._backoff.clear()
         self._barred.clear()
+        self._spell_steps.clear()
 
     def acceptance(self, key: Hashable) -> float:
         """Estimated probability that a draft token under `key` is accepted (the previous one was)."""
@@ -349,6 +362,7 @@ class AdaptiveK:
     def _end_spell(self, num_sampled: int) -> None:
         """A spell ended: back off its bucket's next plans if its recent drafting steps lost."""
         bucket = batch_bucket(num_sampled)
+        self._spell_steps[bucket] = 0.5 * self._spell_steps.get(bucket, self.spell_horizon) + 0.5 * self._spell
         realized = self._realized.get(bucket)
         if realized is not None and realized < 0:
             self._backoff[bucket] = min(self._backoff.get(bucket, 0) + 1, self.max_backoff)
@@ -373,10 +387,13 @@ class AdaptiveK:
         the same batch size)."""
         return self.stay_margin if self._spell and batch_bucket(num_sampled) == self._spell_bucket else self.margin
 
-    def worth_trying(self, num_sampled: int, num_base_tokens: int) -> bool:
-        """Could any draft pay off in this batch? (A cheap test before looking for drafts.)"""
+    def worth_trying(self, num_sampled: int, num_base_tokens: int, catch_up: Callable[[], int] | None = None) -> bool:
+        """Could any draft pay off in this batch? (A cheap test before looking for drafts.) catch_up:
+        the positions the drafter would catch up if every request drafted now (`plan`'s)."""
         if not self.adaptive:
             return True
+        priced = not self._spell and catch_up is not None and self.catch_up_share > 0
+        rows = None
         margin = self._margin(num_sampled)
         prior = self._pooled() if self.shared_prior else self.best_prior
         best = max([self.acceptance(key) for key in self._est] + [prior])
@@ -389,7 +406,12 @@ class AdaptiveK:
             for num in {1, num_sampled}:
                 extra = self._extra_cost(num_base_tokens, num * k, k)
                 if num * gain * base > (1 + margin) * num_sampled * extra:
-                    return True
+                    if not priced:
+                        return True
+                    rows = catch_up() if rows is None else rows
+                    if self._repays_start(num * gain / num_sampled * base - extra, rows * num / num_sampled,
+                                          num_sampled, num_base_tokens, base):
+                        return True
         return False
 
     def _extra_cost(self, num_base_tokens: int, num_spec: int, num_draft_steps: int) -> float:
@@ -408,10 +430,13 @@ class AdaptiveK:
         return min(self.draft_cost, self.draft_seconds / unit) if unit else self.draft_cost
 
     def plan(self, rooms: dict[str, int], num_base_tokens: int, max_spec_tokens: int,
-             keys: dict[str, Hashable] | None = None) -> dict[str, int]:
+             keys: dict[str, Hashable] | None = None,
+             catch_up: Callable[[list[str]], int] | None = None) -> dict[str, int]:
         """k per request. rooms: req_id -> most drafts it may take (max_tokens / max_model_len, or
         what a lookup found); num_base_tokens: tokens the next step computes without drafts;
-        max_spec_tokens: token budget left; keys: req_id -> estimate key (default: req_id)."""
+        max_spec_tokens: token budget left; keys: req_id -> estimate key (default: req_id);
+        catch_up: the positions the drafter would catch up if these requests drafted now (a spell's
+        start; `catch_up_share`)."""
         keys = keys or {r: r for r in rooms}
         if not self.adaptive:
             return {r: max(0, min(self.max_k, room)) for r, room in rooms.items()}
@@ -464,8 +489,22 @@ class AdaptiveK:
             beats_plain = (tokens - len(rooms)) * base_cost > (1 + margin) * len(rooms) * (cost - base_cost)
             if plan[3] and beats_plain and (best is None or tokens * best[1] > best[0] * cost):
                 best = plan
+        if best is not None and not self._spell and catch_up is not None and self.catch_up_share:
+            tokens, cost, ks, _ = best
+            saving = tokens / len(rooms) * base_cost - cost
+            if not self._repays_start(saving, catch_up([r for r, k in ks.items() if k]), len(rooms), num_base_tokens,
+                                      base_cost):
+                best = None
         _, cost, ks, model_gain = best or plain
         return self._settle(ks, keys, model_gain, cost / base_cost)
+
+    def _repays_start(self, saving: float, rows: float, num_sampled: int, num_base_tokens: int,
+                      base_cost: float) -> bool:
+        """Would drafts that save `saving` a step (cost units: the plain time of their expected tokens
+        less their step's cost), starting a spell of `num_sampled` requests, repay the drafter's
+        catch-up over `rows` positions within as many steps as such spells lasted?"""
+        start = self.costs(num_base_tokens + round(self.catch_up_share * rows)) - base_cost
+        return saving * self._spell_steps.get(batch_bucket(num_sampled), self.spell_horizon) > start
 
     def _settle(self, ks: dict[str, int], keys: dict[str, Hashable], model_gain: float,
                 cost_ratio: float) -> dict[str, int]:
@@ -586,12 +625,15 @@ def step_verified(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOut
     policy.step_finished(num_base, num_drafts, len(out.sampled_token_ids), sum(out.num_accepted.values()))
 
 
-def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput) -> bool:
+def nothing_to_draft(policy: AdaptiveK, sched: SchedulerOutput,
+                     behind: Callable[[ScheduledRequest], int] | None = None) -> bool:
     """`Proposer.idle` for proposers driven by the policy: after this step (which verifies no drafts)
-    no draft could pay off at this batch size, whatever it samples (the policy's cheap test)."""
-    num_sampled = sum(1 for s in sched.scheduled if s.sample)
-    return (num_sampled == 0 or policy.probing() or policy.plans_nothing(num_sampled)
-            or not policy.worth_trying(num_sampled, _next_base_tokens(sched)))
+    no draft could pay off at this batch size, whatever it samples (the policy's cheap test).
+    behind: the positions a request's drafter lacks after the step (a spell's catch-up)."""
+    sampling = [s for s in sched.scheduled if s.sample]
+    catch_up = (lambda: sum(behind(s) for s in sampling)) if behind is not None else None
+    return (not sampling or policy.probing() or policy.plans_nothing(len(sampling))
+            or not policy.worth_trying(len(sampling), _next_base_tokens(sched), catch_up))
 
 
 def skipped(policy: AdaptiveK, sched: SchedulerOutput) -> None:
@@ -601,30 +643,34 @@ def skipped(policy: AdaptiveK, sched: SchedulerOutput) -> None:
 
 
 def plan_step(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput, max_model_len: int,
-              max_num_batched_tokens: int) -> list[DraftSlot]:
-    """Record this step's verifications in `policy`, then give each sampled request its k."""
+              max_num_batched_tokens: int, behind: Callable[[ScheduledRequest], int] | None = None
+              ) -> list[DraftSlot]:
+    """Record this step's verifications in `policy`, then give each sampled request its k (`behind`:
+    as for `nothing_to_draft`)."""
     slots, num_base = sampled_slots(policy, sched, out, max_model_len)
-    return _give_ks(policy, slots, num_base, max_num_batched_tokens)
+    return _give_ks(policy, slots, num_base, max_num_batched_tokens, behind)
 
 
-def _give_ks(policy: AdaptiveK, slots: list[DraftSlot], num_base: int, max_num_batched_tokens: int
-             ) -> list[DraftSlot]:
+def _give_ks(policy: AdaptiveK, slots: list[DraftSlot], num_base: int, max_num_batched_tokens: int,
+             behind: Callable[[ScheduledRequest], int] | None) -> list[DraftSlot]:
     if slots:
+        by_id = {s.sched.request.request_id: s.sched for s in slots}
+        catch_up = (lambda ids: sum(behind(by_id[r]) for r in ids)) if behind is not None else None
         ks = policy.plan({s.sched.request.request_id: s.room for s in slots}, num_base,
-                         max_num_batched_tokens - num_base)
+                         max_num_batched_tokens - num_base, catch_up=catch_up)
         for slot in slots:
             slot.k = ks[slot.sched.request.request_id]
     return slots
 
 
-def planned_on_device(policy: AdaptiveK, sched: SchedulerOutput, max_model_len: int, max_num_batched_tokens: int
-                      ) -> list[DraftSlot]:
+def planned_on_device(policy: AdaptiveK, sched: SchedulerOutput, max_model_len: int, max_num_batched_tokens: int,
+                      behind: Callable[[ScheduledRequest], int] | None = None) -> list[DraftSlot]:
     """`plan_step` for a step whose verification is still on the device (drafting on the device): every
     request that samples gets its k before its new tokens are known, with the room it would have
     after the fewest of them (one): the drafts are cut to the real room later (`draft_room`). The
     step's verifications reach the policy later (`observe`). Its `new_ids` stay empty."""
     slots = [DraftSlot(s, [], max(0, s.request.room(max_model_len, 1) - 1)) for s in sched.scheduled if s.sample]
-    return _give_ks(policy, slots, _next_base_tokens(sched), max_num_batched_tokens)
+    return _give_ks(policy, slots, _next_base_tokens(sched), max_num_batched_tokens, behind)
 
 
 def draft_room(req: Request, new_ids: list[int], max_model_len: int) -> int:

@@ -54,6 +54,12 @@ class DraftEntries:
         if blocks:
             self.stale[blocks] = True
 
+    def behind(self, s: ScheduledRequest) -> int:
+        """Entries the proposer would compute if the request drafted after this step: every position it
+        lacks up to the step's end, and the newest token's."""
+        end = s.start + s.num_tokens
+        return end + 1 - self.valid(s, end)
+
     def written(self, s: ScheduledRequest, start: int, end: int) -> None:
         """The proposer wrote valid entries [start, end) for this request (and nothing valid past them)."""
         self.computed[s.request.request_id] = end

@@ -86,7 +86,7 @@ class DraftModelProposer:
         self.policy.step_started()
 
     def idle(self, sched: SchedulerOutput) -> bool:
-        return nothing_to_draft(self.policy, sched)
+        return nothing_to_draft(self.policy, sched, self.entries.behind)
 
     def skip(self, sched: SchedulerOutput, hidden=None, pending=None, slot_mapping=None) -> None:
         """Like a step where every request gets k = 0: the draft falls behind, the blocks the target
@@ -110,7 +110,8 @@ class DraftModelProposer:
         sched, out = step.sched, step.out
         step_verified(self.policy, sched, out)
         slots = {s.sched.request.request_id: s for s in
-                 plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens)}
+                 plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens,
+                           self.entries.behind)}
         for req_id in slots:
             self._probs.pop(req_id, None)  # its drafts were verified (or it gets none)
         run = any(s.k > 0 for s in slots.values())

@@ -125,7 +125,7 @@ class EagleProposer:
         self.policy.step_started()
 
     def idle(self, sched: SchedulerOutput) -> bool:
-        return nothing_to_draft(self.policy, sched)
+        return nothing_to_draft(self.policy, sched, self.entries.behind)
 
     def skip(self, sched: SchedulerOutput, hidden: torch.Tensor, pending: PendingTokens,
              slot_mapping: torch.Tensor) -> None:
@@ -149,7 +149,7 @@ class EagleProposer:
     def _propose(self, step: DraftStep) -> dict[str, list[int]]:
         sched, out = step.sched, step.out
         step_verified(self.policy, sched, out)
-        slots = plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens)
+        slots = plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens, self.entries.behind)
         for slot in slots:
             self._probs.pop(slot.sched.request.request_id, None)  # its drafts were verified (or it gets none)
         self._store(step.hidden, step.slot_mapping)
@@ -191,7 +191,7 @@ class EagleProposer:
         policy.step_finished(num_base, num_drafts, len(step.logits_rows), None)
         policy.proposals_made()  # this step drafts the next one's within its own time
         rows = {s.request.request_id: (i, first, count) for i, (s, first, count) in enumerate(step.logits_rows)}
-        slots = planned_on_device(policy, sched, self.max_model_len, self.max_num_batched_tokens)
+        slots = planned_on_device(policy, sched, self.max_model_len, self.max_num_batched_tokens, self.entries.behind)
         self._store(step.hidden, step.slot_mapping)
         bs, num_logits = self.entries.block_size, step.argmax.shape[0]
         chained: list[DraftSlot] = []

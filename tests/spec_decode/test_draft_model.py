@@ -73,7 +73,7 @@ def test_blocks_computed_without_the_draft_are_not_trusted(tiny_llama_dir, trust
     llm = self_draft_llm(tiny_llama_dir)
     proposer = llm.engine.proposer
     plan = proposer.policy.plan
-    proposer.policy.plan = lambda rooms, *a: dict.fromkeys(rooms, 0)
+    proposer.policy.plan = lambda rooms, *a, **kw: dict.fromkeys(rooms, 0)
     prompt = {"prompt_token_ids": spec_prompts()[4]}
     llm.generate(prompt, GREEDY)
     assert llm.engine.stats()["spec_decode_num_drafts"] == 0
@@ -95,9 +95,9 @@ def test_draft_catches_up_after_speculation_was_off(tiny_llama_dir):
     proposer = llm.engine.proposer
     plan, steps = proposer.policy.plan, []
 
-    def sometimes(rooms, *a):
+    def sometimes(rooms, *a, **kw):
         steps.append(1)
-        return plan(rooms, *a) if len(steps) > 6 else dict.fromkeys(rooms, 0)
+        return plan(rooms, *a, **kw) if len(steps) > 6 else dict.fromkeys(rooms, 0)
 
     proposer.policy.plan = sometimes
     calls = record_draft_queries(llm)

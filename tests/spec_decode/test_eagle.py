@@ -374,16 +374,21 @@ def test_steps_without_drafts_run_no_head_forward(tiny_llama_dir, trained_head_d
     policy = llm.engine.proposer.policy
     plan, plans = policy.plan, []
 
-    def later(rooms, *a):
-        plans.append(1)
-        return plan(rooms, *a) if len(plans) > 8 else dict.fromkeys(rooms, 0)
+    def later(rooms, *a, catch_up=None):
+        plans.append(catch_up(list(rooms)))  # what a start would catch up (a spell's start is priced)
+        return plan(rooms, *a, catch_up=catch_up) if len(plans) > 8 else dict.fromkeys(rooms, 0)
 
     policy.plan = later
     prompt = spec_prompts()[4]  # 96 tokens
     out = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
     assert out.outputs[0].token_ids == reference_one(tiny_llama_dir, prompt)
     # the first head call: the prompt and the 9 tokens of the plain steps, plus the newest token
-    assert calls[0] == [len(prompt) + 9]
+    assert calls[0] == [len(prompt) + 9] and plans[8] == len(prompt) + 9
+    assert plans[:3] == [len(prompt) + 1, len(prompt) + 2, len(prompt) + 3]
+    # a catch-up position costs the head's layer and fc against a target token (layers and logits)
+    head, arch = llm.engine.proposer.head, llm.engine.loaded.arch
+    own = sum(p.numel() for p in head.layers.parameters()) + head.fc.weight.numel()
+    assert policy.catch_up_share == pytest.approx(own / arch.num_params, rel=0.05)
     assert all(max(c) <= 4 for c in calls[1:])  # then: accepted drafts + the bonus token, or chain steps
     assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens > 0.3 * out.metrics.num_draft_tokens
 
@@ -404,7 +409,7 @@ def test_a_prefix_hit_drafts_as_without_the_cache(tiny_llama_dir, trained_head_d
     policy = llm.engine.proposer.policy
     plan = policy.plan
     if not head_ran:
-        policy.plan = lambda rooms, *a: dict.fromkeys(rooms, 0)
+        policy.plan = lambda rooms, *a, **kw: dict.fromkeys(rooms, 0)
     llm.generate(prompt, GREEDY)
     policy.plan = plan
     calls = _head_query_lens(llm)

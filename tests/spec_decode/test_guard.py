@@ -193,15 +193,16 @@ def test_the_time_spent_drafting_counts_against_the_drafts(clock):
 
 def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_sync: float, plain_deferred: float,
                     drafting: float, alpha: float | list[float], num_reqs: int = 1,
-                    request_len: int | None = None, catch_up: float = 0.0) -> float:
+                    request_len: int | None = None, catch_up: float = 0.0, catch_up_rows: int = 0) -> float:
     """As the engine runs steps under async scheduling: a step without drafts whose proposer is idle
     (`nothing_to_draft`) is left in flight and costs `plain_deferred` (overlapped with the host's work
     on the next step); one run synchronously costs `plain_sync`; a step verifying drafts `drafting`,
     and `catch_up` more if the step before it verified none (a head's catch-up over every position
     since it last ran, queued by the step that started the spell, waited for by this one).
-    Drafts are accepted as `verify` says. With `request_len`, a request finishes after that many
-    tokens and a new one takes its place, each under its own estimate key (as a draft model's or a
-    head's); otherwise the requests share one key (an n-gram match length) and never finish.
+    With `catch_up_rows` the policy is told a start catches up that many positions (`plan`'s and
+    `worth_trying`'s `catch_up`). Drafts are accepted as `verify` says. With `request_len`, a request
+    finishes after that many tokens and a new one takes its place, each under its own estimate key (as
+    a draft model's or a head's); otherwise the requests share one key (an n-gram match length) and never finish.
     Returns the throughput relative to no speculation (every step deferred)."""
     rng = random.Random(0)
     rooms = {f"r{i}": 8 for i in range(num_reqs)}
@@ -209,10 +210,12 @@ def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_s
     left = dict.fromkeys(rooms, request_len)
     ks: dict[str, int] = {}
     tokens, start, num_new, drafted_before = 0, clock.now, 0, False
+    rows_of = (lambda ids: catch_up_rows * len(ids) // num_reqs) if catch_up_rows else None
     for _ in range(num_steps):
         num_drafts = sum(ks.values())
+        total = (lambda: catch_up_rows) if rows_of else None
         defer = num_drafts == 0 and (policy.probing() or policy.plans_nothing(num_reqs)
-                                     or not policy.worth_trying(num_reqs, num_reqs))
+                                     or not policy.worth_trying(num_reqs, num_reqs, total))
         policy.step_started()
         accepted: dict[str, int] = {}
         if defer:
@@ -232,7 +235,7 @@ def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_s
                 num_new += 1
                 new = f"n{num_new}"
                 rooms[new], keys[new], left[new] = 8, new, request_len
-        ks = {} if defer else policy.plan(rooms, num_reqs, 1000, keys)
+        ks = {} if defer else policy.plan(rooms, num_reqs, 1000, keys, rows_of)
         if not defer:
             policy.proposals_made()
     return tokens / (clock.now - start) * plain_deferred / num_reqs
@@ -394,6 +397,21 @@ MANY_REQUESTS = dict(num_steps=3000, num_reqs=64, plain_deferred=5.5e-3, plain_s
                      catch_up=22e-3, alpha=[0.5355, 0.6409, 0.6897, 0.575], request_len=256)
 
 
+def spell_starts(p: AdaptiveK, clock: FakeClock, **case) -> tuple[int, float]:
+    """`run_async_steps`, counting the spells that started: (starts, throughput)."""
+    starts = []
+    settle = p._settle
+
+    def counting_settle(ks, *args):
+        if any(ks.values()) and not p._spell:
+            starts.append(p.guard.num_steps)
+        return settle(ks, *args)
+
+    p._settle = counting_settle
+    throughput = run_async_steps(p, clock, **case)
+    return len(starts), throughput
+
+
 def test_a_dear_retry_bars_its_batch_size_for_longer(clock):
     """At 64 requests drafting loses and a try costs ~5 plain steps' time (its start's catch-up). The
     guard's learned overhead and trust fade in ~330 steps, and spells were retried that often (0.984x
@@ -403,22 +421,40 @@ def test_a_dear_retry_bars_its_batch_size_for_longer(clock):
         p = head_policy(0.0515)
         if not bar:
             p.barred = lambda num_sampled: False
-        starts = []
-        settle = p._settle
-
-        def counting_settle(ks, *args):
-            if any(ks.values()) and not p._spell:
-                starts.append(p.guard.num_steps)
-            return settle(ks, *args)
-
-        p._settle = counting_settle
-        throughput = run_async_steps(p, clock, **MANY_REQUESTS)
-        return len(starts), throughput
+        return spell_starts(p, clock, **MANY_REQUESTS)
 
     tries, throughput = spells_and_throughput(True)
     control_tries, control = spells_and_throughput(False)
     assert 2 <= tries < control_tries
     assert throughput > 0.987 and throughput > control + 0.003
+
+
+def test_a_spell_starts_only_if_its_drafts_repay_the_catch_up(clock):
+    """At 64 requests on 8B shapes a spell's start catches the head up over thousands of positions
+    (MANY_REQUESTS: ~21,000, 22 ms, ~6 plain steps) for drafts the model prices at a small gain a step;
+    the bar only makes the retries rarer (0.989x here, 0.99x measured). Priced (the head's share of a
+    target token's compute per position), such a start would not repay itself within `spell_horizon`
+    steps: no spell starts, and the steps run deferred as with no speculation. A catch-up of half that
+    would, until the spells at that batch size are seen to last a step or two: then few more start. At
+    16 requests (a 5,000-position catch-up, drafts that pay 1.47x here) and at one request it still drafts."""
+    def run(case: dict, rows: int, priced: bool) -> tuple[int, float]:
+        p = head_policy(0.0515)
+        p.catch_up_share = 0.036 if priced else 0.0
+        return spell_starts(p, clock, **case, catch_up_rows=rows)
+
+    tries, control = run(MANY_REQUESTS, 21_000, priced=False)
+    assert tries >= 3 and control < 0.992
+    tries, throughput = run(MANY_REQUESTS, 21_000, priced=True)
+    assert tries == 0 and throughput == pytest.approx(1.0)
+    half = dict(MANY_REQUESTS, catch_up=11e-3)
+    control_tries, control = run(half, 10_500, priced=False)
+    tries, throughput = run(half, 10_500, priced=True)
+    assert control_tries >= 5 and 1 <= tries <= 2 and throughput > control + 0.003
+    sixteen = dict(MANY_REQUESTS, num_reqs=16, plain_deferred=4.6e-3, plain_sync=5.6e-3, drafting=5.9e-3, catch_up=6e-3)
+    tries, throughput = run(sixteen, 5_000, priced=True)
+    assert tries >= 1 and throughput > 1.4
+    one = dict(MANY_REQUESTS, num_reqs=1, plain_deferred=4.9e-3, plain_sync=5.6e-3, drafting=6.6e-3, catch_up=0.5e-3)
+    assert run(one, 360, priced=True)[1] > 1.55
 
 
 def test_a_probe_does_not_lift_the_bar():
