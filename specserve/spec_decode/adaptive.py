@@ -157,12 +157,14 @@ class AdaptiveK:
         # position `catch_up_share` of a target token's compute (the drafter's parameters per position
         # over the target's per verified token; 0: not priced). A spell starts only if the gain the
         # model predicts repays that within as many steps as spells at its batch size have lasted (an
-        # average, halfway to each spell's plans; `spell_horizon` before any): at 64 requests on 8B
-        # shapes spells lasted 1-2 steps, each start caught up 8,000-16,000 positions (2-4 plain
-        # steps) for drafts the model prices at ~0.2 plain steps' gain a step, and lost ~2 plain steps.
+        # average, halfway to each spell's plans; `spell_horizon` before any, and drifting back to it
+        # with a half-life of `horizon_half_life` steps, so a batch size where spells were short gets
+        # tried again now and then): at 64 requests on 8B shapes spells lasted 1-2 steps, each start
+        # caught up 8,000-16,000 positions (2-4 plain steps) for drafts the model prices at ~0.2 plain
+        # steps' gain a step, and lost ~2 plain steps.
         self.catch_up_share = 0.0
-        self.spell_horizon = 16.0
-        self._spell_steps: dict[int, float] = {}  # batch bucket -> how many plans its spells lasted (average)
+        self.spell_horizon, self.horizon_half_life = 16.0, 4000
+        self._spell_steps: dict[int, tuple[float, int]] = {}  # batch bucket -> (plans its spells lasted, at step)
         self._spell = 0  # plans in a row that drafted
         self._spell_bucket = 0  # the batch-size bucket of its last plan
         self._spell_lost = 0.0  # plain steps' time the last spell's judged steps lost (net of gains)
@@ -362,7 +364,7 @@ class AdaptiveK:
     def _end_spell(self, num_sampled: int) -> None:
         """A spell ended: back off its bucket's next plans if its recent drafting steps lost."""
         bucket = batch_bucket(num_sampled)
-        self._spell_steps[bucket] = 0.5 * self._spell_steps.get(bucket, self.spell_horizon) + 0.5 * self._spell
+        self._spell_steps[bucket] = (0.5 * self._horizon(bucket) + 0.5 * self._spell, self.guard.num_steps)
         realized = self._realized.get(bucket)
         if realized is not None and realized < 0:
             self._backoff[bucket] = min(self._backoff.get(bucket, 0) + 1, self.max_backoff)
@@ -504,7 +506,15 @@ class AdaptiveK:
         less their step's cost), starting a spell of `num_sampled` requests, repay the drafter's
         catch-up over `rows` positions within as many steps as such spells lasted?"""
         start = self.costs(num_base_tokens + round(self.catch_up_share * rows)) - base_cost
-        return saving * self._spell_steps.get(batch_bucket(num_sampled), self.spell_horizon) > start
+        return saving * self._horizon(batch_bucket(num_sampled)) > start
+
+    def _horizon(self, bucket: int) -> float:
+        """How many plans spells at this batch-size bucket last (what a start must repay itself within)."""
+        if bucket not in self._spell_steps:
+            return self.spell_horizon
+        steps, at = self._spell_steps[bucket]
+        fade = 0.5 ** ((self.guard.num_steps - at) / self.horizon_half_life)
+        return self.spell_horizon + (steps - self.spell_horizon) * fade
 
     def _settle(self, ks: dict[str, int], keys: dict[str, Hashable], model_gain: float,
                 cost_ratio: float) -> dict[str, int]:

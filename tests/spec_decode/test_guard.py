@@ -450,6 +450,9 @@ def test_a_spell_starts_only_if_its_drafts_repay_the_catch_up(clock):
     control_tries, control = run(half, 10_500, priced=False)
     tries, throughput = run(half, 10_500, priced=True)
     assert control_tries >= 5 and 1 <= tries <= 2 and throughput > control + 0.003
+    p = head_policy(0.0515)  # the horizon learned there drifts back: such a batch size is tried again later
+    p.catch_up_share, p.horizon_half_life = 0.036, 300
+    assert spell_starts(p, clock, **half, catch_up_rows=10_500)[0] > 2
     sixteen = dict(MANY_REQUESTS, num_reqs=16, plain_deferred=4.6e-3, plain_sync=5.6e-3, drafting=5.9e-3, catch_up=6e-3)
     tries, throughput = run(sixteen, 5_000, priced=True)
     assert tries >= 1 and throughput > 1.4
