@@ -394,7 +394,7 @@ class AdaptiveK:
         the positions the drafter would catch up if every request drafted now (`plan`'s)."""
         if not self.adaptive:
             return True
-        priced = not self._spell and catch_up is not None and self.catch_up_share > 0
+        priced = self._prices_start(catch_up)
         rows = None
         margin = self._margin(num_sampled)
         prior = self._pooled() if self.shared_prior else self.best_prior
@@ -491,7 +491,7 @@ class AdaptiveK:
             beats_plain = (tokens - len(rooms)) * base_cost > (1 + margin) * len(rooms) * (cost - base_cost)
             if plan[3] and beats_plain and (best is None or tokens * best[1] > best[0] * cost):
                 best = plan
-        if best is not None and not self._spell and catch_up is not None and self.catch_up_share:
+        if best is not None and self._prices_start(catch_up):
             tokens, cost, ks, _ = best
             saving = tokens / len(rooms) * base_cost - cost
             if not self._repays_start(saving, catch_up([r for r, k in ks.items() if k]), len(rooms), num_base_tokens,
@@ -499,6 +499,10 @@ class AdaptiveK:
                 best = None
         _, cost, ks, model_gain = best or plain
         return self._settle(ks, keys, model_gain, cost / base_cost)
+
+    def _prices_start(self, catch_up: Callable | None) -> bool:
+        """Would drafts now start a spell whose catch-up is priced (`catch_up_share`)?"""
+        return not self._spell and catch_up is not None and self.catch_up_share > 0
 
     def _repays_start(self, saving: float, rows: float, num_sampled: int, num_base_tokens: int,
                       base_cost: float) -> bool:
@@ -664,10 +668,12 @@ def plan_step(policy: AdaptiveK, sched: SchedulerOutput, out: ModelRunnerOutput,
 def _give_ks(policy: AdaptiveK, slots: list[DraftSlot], num_base: int, max_num_batched_tokens: int,
              behind: Callable[[ScheduledRequest], int] | None) -> list[DraftSlot]:
     if slots:
-        by_id = {s.sched.request.request_id: s.sched for s in slots}
-        catch_up = (lambda ids: sum(behind(by_id[r]) for r in ids)) if behind is not None else None
+        def catch_up(ids: list[str]) -> int:  # read only where a plan would start a spell
+            by_id = {s.sched.request.request_id: s.sched for s in slots}
+            return sum(behind(by_id[r]) for r in ids)
+
         ks = policy.plan({s.sched.request.request_id: s.room for s in slots}, num_base,
-                         max_num_batched_tokens - num_base, catch_up=catch_up)
+                         max_num_batched_tokens - num_base, catch_up=catch_up if behind is not None else None)
         for slot in slots:
             slot.k = ks[slot.sched.request.request_id]
     return slots

@@ -211,9 +211,9 @@ def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_s
     ks: dict[str, int] = {}
     tokens, start, num_new, drafted_before = 0, clock.now, 0, False
     rows_of = (lambda ids: catch_up_rows * len(ids) // num_reqs) if catch_up_rows else None
+    total = (lambda: catch_up_rows) if catch_up_rows else None
     for _ in range(num_steps):
         num_drafts = sum(ks.values())
-        total = (lambda: catch_up_rows) if rows_of else None
         defer = num_drafts == 0 and (policy.probing() or policy.plans_nothing(num_reqs)
                                      or not policy.worth_trying(num_reqs, num_reqs, total))
         policy.step_started()
