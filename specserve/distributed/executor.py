@@ -21,6 +21,10 @@ from specserve.models.llama import LlamaForCausalLM
 
 
 class ParallelExecutor(ModelExecutor):
+    # every rank captures the same graphs (their collectives must meet): the workers' models have no
+    # aux layers, so rank 0 captures no variants without them either, and its forward keeps them
+    plain_decode_graphs = False
+
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
                  dtype: torch.dtype, block_size: int, num_blocks: int, workers: WorkerGroup) -> None:
         self.workers = workers
@@ -28,8 +32,8 @@ class ParallelExecutor(ModelExecutor):
             workers.call(("executor", backend.name, block_size, num_blocks))
             super().__init__(model, backend, device, dtype, block_size, num_blocks)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                aux: bool = True) -> torch.Tensor:
         with self.workers.guard():
             self.workers.call(forward_header(meta), pack_forward(input_ids, positions, meta))
             return super().forward(input_ids, positions, meta)

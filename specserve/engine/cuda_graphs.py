@@ -53,9 +53,11 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
 class StepGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], device: torch.device, block_size: int,
                  max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...] = (1,),
-                 max_prefill_tokens: int = 0) -> None:
+                 max_prefill_tokens: int = 0, plain_decode: bool = False) -> None:
         """query_lens: Q of the decode graphs, captured for every batch size; max_prefill_tokens: the
-        most tokens (of `PREFILL_LENS`, up to it) of a prefill graph (0: none)."""
+        most tokens (of `PREFILL_LENS`, up to it) of a prefill graph (0: none); plain_decode: for a
+        target that computes an EAGLE head's fused feature (`aux_features`), also capture each
+        one-token decode graph without it (`run(..., aux=False)`: the final hidden states alone)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -89,6 +91,11 @@ class StepGraphs:
                        for name, width in getattr(model, "graph_inputs", {}).items()}
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
+        # the plain variants (no aux outputs) of the one-token decode graphs, same buffers and pool
+        fuses = getattr(model, "aux_features", None) is not None  # a target fusing a head's layers
+        self.plain_keys = [k for k in self.keys if k[2] == 1] if plain_decode and fuses else []
+        self.plain_graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.plain_outputs: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def _meta(self, key: tuple[int, int, int]) -> AttentionMetadata:
         batch, tokens, q = key
@@ -108,7 +115,8 @@ class StepGraphs:
     def capture(self) -> None:
         t0 = time.perf_counter()
         pool = None
-        for key in sorted(self.keys, key=lambda k: -k[1]):  # largest first: the rest reuse its pool
+        variants = [(key, True) for key in self.keys] + [(key, False) for key in self.plain_keys]
+        for key, aux in sorted(variants, key=lambda v: -v[0][1]):  # largest first: the rest reuse its pool
             batch, tokens, q = key
             # a valid batch for the warm-up forward: a decode graph's requests one token each, a
             # prefill graph's first request all of them
@@ -121,17 +129,21 @@ class StepGraphs:
             meta = self._meta(key)
             args = (self.input_ids[:tokens], self.positions[:tokens], self.kv_caches, meta)
             inputs = {name: buf[:tokens] for name, buf in self.inputs.items()}
+            if not aux:
+                inputs["aux"] = False
             self.model(*args, **inputs)  # warm-up: compile kernels, settle allocations
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self.model(*args, **inputs)
+                output = self.model(*args, **inputs)
             pool = graph.pool()
-            self.graphs[key] = graph
+            (self.graphs if aux else self.plain_graphs)[key] = graph
+            (self.outputs if aux else self.plain_outputs)[key] = output
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch %d..%d, query lengths %s; prefills of up to %d tokens) in %.1fs",
-                    len(self.graphs), self.sizes[0], self.sizes[-1], self.query_lens,
-                    self.prefill_lens[-1] if self.prefill_lens else 0, time.perf_counter() - t0)
+        logger.info("captured %d CUDA graphs (batch %d..%d, query lengths %s; prefills of up to %d tokens%s) in %.1fs",
+                    len(self.graphs) + len(self.plain_graphs), self.sizes[0], self.sizes[-1], self.query_lens,
+                    self.prefill_lens[-1] if self.prefill_lens else 0,
+                    "; decode also without aux layers" if self.plain_graphs else "", time.perf_counter() - t0)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return self.holds(meta.num_reqs, meta.max_query_len, meta.num_tokens)
@@ -208,9 +220,10 @@ class StepGraphs:
         return tuple(views + [self.extras[o:o + len(a)] for a, o in zip(extras, offsets)])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            key: tuple[int, int, int], **inputs: torch.Tensor) -> torch.Tensor:
-        """Replay the graph `key` (the step's `key(...)`); returns hidden [num_tokens, H]. A step that
-        `stage` wrote into the buffers copies in only its inputs that are not there yet."""
+            key: tuple[int, int, int], aux: bool = True, **inputs: torch.Tensor) -> torch.Tensor:
+        """Replay the graph `key` (the step's `key(...)`; aux=False: its plain variant where one was
+        captured); returns hidden [num_tokens, H]. A step that `stage` wrote into the buffers copies
+        in only its inputs that are not there yet."""
         num_tokens = meta.num_tokens
         for name, value in inputs.items():
             self.inputs[name][:num_tokens].copy_(value)
@@ -218,8 +231,9 @@ class StepGraphs:
             self.input_ids[:num_tokens].copy_(input_ids)
         if meta.extra.get("staged") != key:
             self._fill(positions, meta, key)
-        self.graphs[key].replay()
-        return self.outputs[key][:num_tokens]
+        plain = not aux and key in self.plain_graphs
+        (self.plain_graphs if plain else self.graphs)[key].replay()
+        return (self.plain_outputs if plain else self.outputs)[key][:num_tokens]
 
     def _fill(self, positions: torch.Tensor, meta: AttentionMetadata, key: tuple[int, int, int]) -> None:
         """The step's metadata (device tensors) into the graphs' buffers, and the padding's."""

@@ -28,6 +28,10 @@ class ExecutorDeadError(RuntimeError):
 
 
 class ModelExecutor:
+    # capture the one-token decode graphs of a model with aux layers also without them (a step
+    # whose aux outputs nobody reads: `forward(..., aux=False)`)
+    plain_decode_graphs = True
+
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
                  dtype: torch.dtype, block_size: int, num_blocks: int) -> None:
         self.model = model
@@ -58,7 +62,7 @@ class ModelExecutor:
         from specserve.engine.cuda_graphs import StepGraphs
 
         self.graphs = StepGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
-                                 max_num_seqs, query_lens, max_prefill_tokens)
+                                 max_num_seqs, query_lens, max_prefill_tokens, self.plain_decode_graphs)
         self.graphs.capture()
 
     def decode_replay_seconds(self) -> float | None:
@@ -76,13 +80,17 @@ class ModelExecutor:
                              max_model_len, self.device, tuple(sorted(windows, key=lambda w: w or 0)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                **inputs: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]. `inputs`:
-        a model's further per-token inputs (an EAGLE head's hidden_states: its `graph_inputs`)."""
+                aux: bool = True, **inputs: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size] (a target
+        with aux layers: wider, `LlamaForCausalLM.forward`). `inputs`: a model's further per-token
+        inputs (an EAGLE head's hidden_states: its `graph_inputs`). aux=False: the aux outputs may be
+        left out (they are where no graph without them holds the step: read the width)."""
         key = self.graphs.key(meta.num_reqs, meta.max_query_len, meta.num_tokens) if self.graphs is not None else None
         if key is not None:
-            return self.graphs.run(input_ids, positions, meta, key, **inputs)
+            return self.graphs.run(input_ids, positions, meta, key, aux, **inputs)
         self.backend.prepare(meta)
+        if not aux:
+            inputs["aux"] = False
         return self.model(input_ids, positions, self.kv_caches, meta, **inputs)
 
     def forward_tokens(self, input_ids: list[int] | torch.Tensor, query_lens: list[int], seq_lens: list[int],

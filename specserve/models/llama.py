@@ -83,21 +83,23 @@ class LlamaForCausalLM(nn.Module):
         self.aux_features: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, aux: bool = True) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size], or with
         `aux_layers` [num_tokens, (1 + len(aux_layers)) * hidden_size]: the final hidden states, then
         each aux layer's output in order, or with `aux_features` too [num_tokens, 2 * hidden_size]:
-        the final hidden states, then their feature (compute_logits reads the first hidden_size columns)."""
+        the final hidden states, then their feature (compute_logits reads the first hidden_size columns).
+        aux=False: the final hidden states alone, with or without aux layers (a step whose feature
+        nobody will read)."""
         x, residual = self.embed_tokens(input_ids), None
-        aux = []
+        outputs = []
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(positions, x, residual, kv_cache, meta, self.backend)
-            if i in self.aux_layers:
-                aux.append(x + residual)
+            if aux and i in self.aux_layers:
+                outputs.append(x + residual)
         x, _ = self.norm(x, residual)
-        if self.aux_features is not None and aux:
-            return torch.cat([x, self.aux_features(x, aux)], dim=-1)
-        return torch.cat([x, *aux], dim=-1) if aux else x
+        if self.aux_features is not None and outputs:
+            return torch.cat([x, self.aux_features(x, outputs)], dim=-1)
+        return torch.cat([x, *outputs], dim=-1) if outputs else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] (or a forward's wider rows with aux layers) -> fp32 logits [N, vocab_size]."""

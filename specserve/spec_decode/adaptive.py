@@ -164,6 +164,12 @@ class AdaptiveK:
         # steps' gain a step, and lost ~2 plain steps.
         self.catch_up_share = 0.0
         self.spell_horizon, self.horizon_half_life = 16.0, 4000
+        # Dormant: no plan has drafted for `dormant_after` steps. A head that fuses target layers then
+        # lets the target leave its feature out of the steps left in flight (EagleProposer.needs_aux):
+        # where drafting does not pay (64 requests on 8B shapes) the feature cost every step ~0.6% of
+        # the target's weight bytes for nothing.
+        self.dormant_after = 64
+        self._drafted_at = 0  # the guard's step of the last plan that drafted
         self._spell_steps: dict[int, tuple[float, int]] = {}  # batch bucket -> (plans its spells lasted, at step)
         self._spell = 0  # plans in a row that drafted
         self._spell_bucket = 0  # the batch-size bucket of its last plan
@@ -193,6 +199,11 @@ class AdaptiveK:
         self._backoff.clear()
         self._barred.clear()
         self._spell_steps.clear()
+        self._drafted_at = 0
+
+    def dormant(self) -> bool:
+        """Has no plan drafted for `dormant_after` steps (adaptive k only)?"""
+        return self.adaptive and self.guard.num_steps - self._drafted_at >= self.dormant_after
 
     def acceptance(self, key: Hashable) -> float:
         """Estimated probability that a draft token under `key` is accepted (the previous one was)."""
@@ -526,6 +537,7 @@ class AdaptiveK:
         self._plan_steps = max(ks.values(), default=0)
         self._empty_plans = self._empty_plans + 1 if self._plan_steps == 0 else 0
         if self._plan_steps:
+            self._drafted_at = self.guard.num_steps
             if not self._spell:
                 self._spell_lost = 0.0
             self._spell += 1

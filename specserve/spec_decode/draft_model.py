@@ -88,6 +88,9 @@ class DraftModelProposer:
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched, self.entries.behind)
 
+    def needs_aux(self, sched: SchedulerOutput) -> bool:
+        return False  # it reads no hidden states
+
     def skip(self, sched: SchedulerOutput, hidden=None, pending=None, slot_mapping=None) -> None:
         """Like a step where every request gets k = 0: the draft falls behind, the blocks the target
         wrote are stale for it. (No drafts were verified: the target computed [start, start + n).)"""

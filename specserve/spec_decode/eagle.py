@@ -127,6 +127,13 @@ class EagleProposer:
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched, self.entries.behind)
 
+    def needs_aux(self, sched: SchedulerOutput) -> bool:
+        """A head that fuses target layers reads their feature of a step left in flight unless the
+        policy is dormant (no drafts for a while) and the step only decodes (every request computes
+        one token): the feature of those positions is then zero (`_store`), as position 0's is, and
+        the head catches up over them as over any other; a prompt's features are always kept."""
+        return not (self.head.aux_layers and self.policy.dormant() and all(s.num_tokens == 1 for s in sched.scheduled))
+
     def skip(self, sched: SchedulerOutput, hidden: torch.Tensor, pending: PendingTokens,
              slot_mapping: torch.Tensor) -> None:
         """A step left in flight: its hidden states are stored; the head falls behind."""
@@ -304,8 +311,13 @@ class EagleProposer:
     def _store(self, hidden: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The step's features at its KV slots [num_tokens]: the target's hidden states [num_tokens, h],
         or for a head over several layers the fused feature the target's forward computed beside them
-        (`fuse_target_layers`): one copy per step, drafting or not."""
-        feature = hidden[:, self.head.cfg.hidden_size:] if self.head.aux_layers else hidden
+        (`fuse_target_layers`): one copy per step, drafting or not. A step whose forward left the
+        feature out (`needs_aux`: hidden is [num_tokens, h]) stores zeros there."""
+        h = self.head.cfg.hidden_size
+        if self.head.aux_layers and hidden.shape[1] == h:
+            self._hidden.index_fill_(0, slot_mapping, 0)
+            return
+        feature = hidden[:, h:] if self.head.aux_layers else hidden
         self._hidden.index_copy_(0, slot_mapping, feature.to(self._hidden.dtype))
 
     def _catch_up(self, segments: list[tuple[DraftSlot, int, int]], ks: list[int]

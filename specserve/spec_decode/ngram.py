@@ -144,6 +144,9 @@ class NgramProposer:
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched)
 
+    def needs_aux(self, sched: SchedulerOutput) -> bool:
+        return False  # it reads no hidden states
+
     def skip(self, sched: SchedulerOutput, hidden=None, pending=None, slot_mapping=None) -> None:
         skipped(self.policy, sched)  # contexts catch up from the requests' tokens at the next lookup
 

@@ -393,6 +393,51 @@ def test_steps_without_drafts_run_no_head_forward(tiny_llama_dir, trained_head_d
     assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens > 0.3 * out.metrics.num_draft_tokens
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_dormant_policy_leaves_the_fused_feature_out_of_decode_steps(tiny_llama_dir, fused_head_dir, device):
+    """After `dormant_after` steps without drafts, decode steps left in flight run the target without
+    the head's fused feature (its fusion never runs; on CUDA their graphs' variant without it
+    replays) and store zeros at their slots; prompts keep theirs. When drafting resumes the head
+    catches up over those positions as over any others, its drafts are still accepted, and the
+    output is the target's."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device=device, block_size=8, async_scheduling=True,
+              speculative_config=eagle_config(fused_head_dir, 3, adaptive=True))
+    proposer, model = llm.engine.proposer, llm.engine.loaded.model
+    policy = proposer.policy
+    policy.dormant_after = 4
+    fused_rows, features = [], model.aux_features
+
+    def counting_features(final, aux):
+        fused_rows.append(final.shape[0])
+        return features(final, aux)
+
+    model.aux_features = counting_features
+    stores, store = [], proposer._store
+
+    def checked_store(hidden, slot_mapping):
+        store(hidden, slot_mapping)
+        stores.append((hidden.shape[1], bool((proposer._hidden[slot_mapping] == 0).all())))
+
+    proposer._store = checked_store
+    # the first 30 steps run deferred without planning (dormant from the 4th), then every step drafts 3
+    policy.plans_nothing = lambda *a, **kw: policy.guard.num_steps < 30
+    policy.worth_trying = lambda *a, **kw: True
+    policy.plan = lambda rooms, *a, **kw: {r: min(3, room) for r, room in rooms.items()}
+    prompt = spec_prompts()[4]  # 96 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    ref = LLM(str(tiny_llama_dir), dtype="float32", device=device, block_size=8)
+    assert out.outputs[0].token_ids == ref.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    h = llm.engine.loaded.arch.hidden_size
+    plain = [zero for width, zero in stores if width == h]
+    assert plain and all(plain), "no decode step left the feature out, or its slots were not zeroed"
+    assert all(width == 2 * h for width, _ in stores[:1]), "the prompt's step keeps its feature"
+    if device == "cpu":  # (CUDA graphs captured the fusion before it was wrapped)
+        assert sum(fused_rows) < len(prompt) + 64 - len(plain)  # the fusion ran on fewer rows than the target
+    assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens > 0
+
+
 def reference_one(model_dir, prompt: list[int]) -> list[int]:
     plain = LLM(str(model_dir), dtype="float32", device="cpu", block_size=8)
     return plain.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids

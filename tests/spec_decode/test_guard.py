@@ -460,6 +460,22 @@ def test_a_spell_starts_only_if_its_drafts_repay_the_catch_up(clock):
     assert run(one, 360, priced=True)[1] > 1.55
 
 
+def test_the_policy_is_dormant_after_steps_without_drafts_only(clock):
+    """`dormant` (a fused head's feature may then be left out of deferred steps): after
+    `dormant_after` steps in which no plan drafted, as at 64 requests where no spell starts; not
+    while spells run, nor after the warm-up's measurements are forgotten."""
+    p = head_policy(0.0515)
+    p.catch_up_share = 0.036
+    assert not p.dormant()
+    assert spell_starts(p, clock, **MANY_REQUESTS, catch_up_rows=21_000)[0] == 0
+    assert p.dormant()
+    p.forget_measurements()
+    assert not p.dormant()
+    one = dict(MANY_REQUESTS, num_reqs=1, plain_deferred=4.9e-3, plain_sync=5.6e-3, drafting=6.6e-3, catch_up=0.5e-3)
+    assert run_async_steps(p, clock, **one, catch_up_rows=360) > 1.5
+    assert not p.dormant() and p.guard.num_steps - p._drafted_at < 8
+
+
 def test_a_probe_does_not_lift_the_bar():
     """After a spell that lost, the batch size's steps neither plan nor probe (they run deferred)
     until the bar ends; a plan made meanwhile (a step that could not be deferred) drafts nothing."""
