@@ -401,9 +401,12 @@ def test_a_dormant_policy_leaves_the_fused_feature_out_of_decode_steps(tiny_llam
     replays) and store zeros at their slots; prompts keep theirs. When drafting resumes the head
     catches up over those positions as over any others, its drafts are still accepted, and the
     output is the target's."""
+    sizes = dict(num_kv_blocks=512, max_model_len=256, max_num_seqs=4) if device == "cuda" else {}
     llm = LLM(str(tiny_llama_dir), dtype="float32", device=device, block_size=8, async_scheduling=True,
-              speculative_config=eagle_config(fused_head_dir, 3, adaptive=True))
+              speculative_config=eagle_config(fused_head_dir, 3, adaptive=True), **sizes)
     proposer, model = llm.engine.proposer, llm.engine.loaded.model
+    graphs = llm.engine.runner.graphs
+    assert graphs is None or sorted(graphs.plain_graphs) == [k for k in sorted(graphs.graphs) if k[2] == 1]
     policy = proposer.policy
     policy.dormant_after = 4
     fused_rows, features = [], model.aux_features
@@ -427,7 +430,7 @@ def test_a_dormant_policy_leaves_the_fused_feature_out_of_decode_steps(tiny_llam
     prompt = spec_prompts()[4]  # 96 tokens
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": prompt}, params)[0]
-    ref = LLM(str(tiny_llama_dir), dtype="float32", device=device, block_size=8)
+    ref = LLM(str(tiny_llama_dir), dtype="float32", device=device, block_size=8, **sizes)
     assert out.outputs[0].token_ids == ref.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
     h = llm.engine.loaded.arch.hidden_size
     plain = [zero for width, zero in stores if width == h]
