@@ -28,8 +28,8 @@ class ExecutorDeadError(RuntimeError):
 
 
 class ModelExecutor:
-    # capture the one-token decode graphs of a model with aux layers also without them (a step
-    # whose aux outputs nobody reads: `forward(..., aux=False)`)
+    # capture the one-token decode graphs of a target that computes an EAGLE head's fused feature
+    # also without it (a step whose feature nobody reads: `forward(..., aux=False)`)
     plain_decode_graphs = True
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
@@ -89,7 +89,7 @@ class ModelExecutor:
         if key is not None:
             return self.graphs.run(input_ids, positions, meta, key, aux, **inputs)
         self.backend.prepare(meta)
-        if not aux:
+        if not aux and getattr(self.model, "aux_layers", ()):  # (other models have no aux outputs)
             inputs["aux"] = False
         return self.model(input_ids, positions, self.kv_caches, meta, **inputs)
 

@@ -54,6 +54,20 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(tiny_g
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected[2]
 
 
+def test_ngram_speculation_with_steps_left_in_flight(tiny_gemma3_dir):
+    """Steps left in flight (async scheduling, adaptive k idle) ask the target for no aux outputs; a
+    model without aux layers runs them as any other step."""
+    args = dict(dtype="float32", device="cpu", num_kv_blocks=64)
+    llm = LLM(str(tiny_gemma3_dir), **args, async_scheduling=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}, {"prompt_token_ids": [9, 10, 11, 12]}]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.stats()["num_deferred_steps"] > 0
+    plain = LLM(str(tiny_gemma3_dir), **args)
+    assert out == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+
+
 def test_legacy_and_current_config_fields_parse_alike():
     # transformers 5 writes layer_types and per-layer-type rope_parameters; older Gemma 3 files carry
     # sliding_window_pattern, rope_theta, rope_local_base_freq and a rope_scaling for the global layers
