@@ -47,15 +47,10 @@ class DraftEntries:
         the blocks the target wrote are stale. Only this step's positions are marked (the invariant
         above: earlier ones were marked, or written by the proposer, in their own step), in one write."""
         blocks: list[int] = []
-        computed, bs = self.computed, self.block_size
-        for s, verified in steps:  # (on every step left in flight, for every request: kept lean)
-            req_id = s.request.request_id
-            done = computed.get(req_id)
-            done = min(self._trusted_prefix(s) if done is None else done, verified)
-            computed[req_id] = done
-            first = max(done, s.start)
-            if verified > first:
-                blocks += s.block_ids[first // bs:-(-verified // bs)]
+        for s, verified in steps:
+            done = self.valid(s, verified)
+            self.computed[s.request.request_id] = done
+            blocks += self._blocks(s.block_ids, max(done, s.start), verified)
         if blocks:
             self.stale[blocks] = True
 
