@@ -92,19 +92,24 @@ def build_proposer(spec: SpecConfig, *, target: LoadedModel, device: torch.devic
                                           spec.load_format)
     if module.cfg.vocab_size != target.arch.vocab_size:
         raise ValueError(f"the draft has {module.cfg.vocab_size} tokens, the target {target.arch.vocab_size}")
-    # cost of one draft step relative to a target step: weight bytes read, when memory bound
-    # (measured instead with the step costs on the CPU)
-    policy.measure_draft_cost = spec.draft_cost is None
-    policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else \
-        module.cfg.num_params / target.arch.num_params
-    # a catch-up position: the draft model's forward without its logits, against a target token's (or
-    # what a draft step is said to cost)
-    policy.catch_up_share = spec.draft_cost if spec.draft_cost is not None else \
-        (module.cfg.num_params - module.cfg.vocab_size * module.cfg.hidden_size) / target.arch.num_params
+    _price_drafter(policy, spec, target, module.cfg.num_params, module.cfg.vocab_size * module.cfg.hidden_size)
     logger.info("draft model %s: %.0fM params, draft step ~%.2f target steps", spec.model,
                 module.cfg.num_params / 1e6, policy.draft_cost)
     return DraftModelProposer(module, policy, identity=identity, num_speculative_tokens=spec.num_speculative_tokens,
                               max_num_batched_tokens=max_num_batched_tokens)
+
+
+def _price_drafter(policy: AdaptiveK, spec: SpecConfig, target: LoadedModel, num_params: int,
+                   logits_params: int) -> None:
+    """The policy's prices for a drafter of `num_params` parameters per draft step, `logits_params` of
+    them its logits: a draft step relative to a target step by the weight bytes read, when memory bound
+    (measured instead where `measure_draft_cost` lets it), and a catch-up position, which computes no
+    logits (only the newest does), relative to a target token; the config's `draft_cost` for both
+    where it gives one."""
+    policy.measure_draft_cost = spec.draft_cost is None
+    given = spec.draft_cost
+    policy.draft_cost = given if given is not None else num_params / target.arch.num_params
+    policy.catch_up_share = given if given is not None else (num_params - logits_params) / target.arch.num_params
 
 
 def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, device: torch.device,
@@ -134,12 +139,7 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
         raise ValueError(f"speculative method eagle3 needs a head that fuses several of the target's layers; "
                          f"{path} reads the last hidden state alone: use method eagle")
     fuse_target_layers(target, head.aux_layers, head.fuse_layers)
-    policy.measure_draft_cost = spec.draft_cost is None
-    policy.draft_cost = spec.draft_cost if spec.draft_cost is not None else head.num_params / target.arch.num_params
-    # a catch-up position: the head's layer and fc (logits only for the newest), against a target token's (or
-    # what a draft step is said to cost)
-    policy.catch_up_share = spec.draft_cost if spec.draft_cost is not None else \
-        (head.num_params - head.draft_vocab_size * head.cfg.hidden_size) / target.arch.num_params
+    _price_drafter(policy, spec, target, head.num_params, head.draft_vocab_size * head.cfg.hidden_size)
     logger.info("EAGLE head %s: %.1fM params, draft vocabulary %d, draft step ~%.3f target steps", path,
                 head.num_params / 1e6, head.draft_vocab_size, policy.draft_cost)
     return EagleProposer(head, policy, identity=(str(path), str(target.dtype)),
