@@ -114,8 +114,8 @@ class ModelRunner:
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.device, staging=self.staging,
                                    prev_tokens=prev.pending if prev is not None else None, drafts=drafts,
                                    graphs=self.target.graphs)
-        # a step left in flight keeps the aux outputs (an EAGLE head's feature) only if they are read
-        aux = not defer or self.proposer is None or self.proposer.needs_aux(sched)
+        # the aux outputs (an EAGLE head's feature) only where they may be read
+        aux = self.proposer is None or self.proposer.needs_aux(sched, defer)
         hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.meta, aux=aux)
         if defer and inputs.logits_rows:
             step.pending = self._sample_deferred(inputs, hidden)

@@ -165,9 +165,9 @@ class AdaptiveK:
         self.catch_up_share = 0.0
         self.spell_horizon, self.horizon_half_life = 16.0, 4000
         # Dormant: no plan has drafted for `dormant_after` steps. A head that fuses target layers then
-        # lets the target leave its feature out of the steps left in flight (EagleProposer.needs_aux):
+        # lets the target leave its feature out of its decode steps (EagleProposer.needs_aux):
         # where drafting does not pay (64 requests on 8B shapes) the feature cost every step ~0.6% of
-        # the target's weight bytes for nothing.
+        # the target's weight bytes for nothing (a step 1.0% longer, bench/dormant_steps.py).
         self.dormant_after = 64
         self._drafted_at = 0  # the guard's step of the last plan that drafted
         self._spell_steps: dict[int, tuple[float, int]] = {}  # batch bucket -> (plans its spells lasted, at step)
@@ -204,6 +204,15 @@ class AdaptiveK:
     def dormant(self) -> bool:
         """Has no plan drafted for `dormant_after` steps (adaptive k only)?"""
         return self.adaptive and self.guard.num_steps - self._drafted_at >= self.dormant_after
+
+    def wake(self) -> None:
+        """The plan just made drafts, but its step lacks what the drafts would read (a dormant step's
+        fused feature): it is dropped unjudged, no spell starts, and the policy is no longer dormant,
+        so the next step computes the feature and plans again."""
+        self._plan_steps = -1
+        self._spell = max(0, self._spell - 1)
+        self._predicted_accepted, self._cost_ratio = 0.0, 1.0
+        self._drafted_at = self.guard.num_steps
 
     def acceptance(self, key: Hashable) -> float:
         """Estimated probability that a draft token under `key` is accepted (the previous one was)."""

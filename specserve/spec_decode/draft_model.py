@@ -88,7 +88,7 @@ class DraftModelProposer:
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched, self.entries.behind)
 
-    def needs_aux(self, sched: SchedulerOutput) -> bool:
+    def needs_aux(self, sched: SchedulerOutput, deferred: bool) -> bool:
         return False  # it reads no hidden states
 
     def skip(self, sched: SchedulerOutput, hidden=None, pending=None, slot_mapping=None) -> None:

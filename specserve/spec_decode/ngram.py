@@ -144,7 +144,7 @@ class NgramProposer:
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched)
 
-    def needs_aux(self, sched: SchedulerOutput) -> bool:
+    def needs_aux(self, sched: SchedulerOutput, deferred: bool) -> bool:
         return False  # it reads no hidden states
 
     def skip(self, sched: SchedulerOutput, hidden=None, pending=None, slot_mapping=None) -> None:

@@ -13,7 +13,8 @@ the runner hands it plain data:
    The scheduler may still shorten a draft (token budget, max_tokens); drafts are always used as a
    prefix, so per-position draft probabilities stay valid;
 3. or, on a step the engine left in flight because `idle(sched)` said no draft could pay,
-   `skip(sched)` instead of `propose` (asked first whether it `needs_aux` of that step);
+   `skip(sched)` instead of `propose` (before any step's forward, the runner asks whether it
+   `needs_aux` of that step);
 4. or, for a proposer with `drafts_on_device` and a step whose sampling requests are all plain
    greedy, `draft_on_device(DeviceStep)` instead of `propose`, before the step's verification has
    reached the host (its accepted counts are device tensors), then `drafted(...)` once the host has
@@ -101,10 +102,11 @@ class Proposer(Protocol):
         whatever the step samples. The engine may then keep the step's tokens on the device (async
         scheduling) and call `skip` instead of `propose`."""
 
-    def needs_aux(self, sched: SchedulerOutput) -> bool:
-        """On a step the engine leaves in flight (`idle`): will the proposer read the aux outputs of
-        the target's forward (an EAGLE head's fused feature)? False lets the target leave them out
-        of the step (then `skip` gets the final hidden states alone)."""
+    def needs_aux(self, sched: SchedulerOutput, deferred: bool) -> bool:
+        """Before the step's forward (`deferred`: the engine leaves it in flight, see `idle`): will the
+        proposer read the aux outputs of the target's forward (an EAGLE head's fused feature)? False
+        lets the target leave them out of the step (then `skip`, `propose` or `draft_on_device` gets
+        the final hidden states alone)."""
 
     def skip(self, sched: SchedulerOutput, hidden: torch.Tensor, pending: PendingTokens,
              slot_mapping: torch.Tensor) -> None:

@@ -441,6 +441,40 @@ def test_a_dormant_policy_leaves_the_fused_feature_out_of_decode_steps(tiny_llam
     assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_dormancy_leaves_the_feature_out_of_synchronous_steps_and_wakes_before_drafting(tiny_llama_dir, fused_head_dir,
+                                                                                        on_device):
+    """Steps run synchronously (the CPU default): a dormant policy's decode steps also run without the
+    fused feature. A plan made in such a step that would draft wakes the policy instead of drafting
+    from a zero feature at the newest position; the next step computes the feature and drafts. The
+    output is the target's (fp32), with drafts accepted; drafting on the device or on the host."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", block_size=8, async_scheduling=False,
+              speculative_config=eagle_config(fused_head_dir, 3, adaptive=True))
+    proposer = llm.engine.proposer
+    proposer.drafts_on_device = on_device
+    policy = proposer.policy
+    policy.dormant_after = 4
+    events, store, wake = [], proposer._store, policy.wake
+    proposer._store = lambda hidden, slot_mapping: (events.append(hidden.shape[1]), store(hidden, slot_mapping))
+    policy.wake = lambda: (events.append("wake"), wake())
+    # no drafts for 30 steps (dormant from the 4th), then every plan drafts 3
+    policy.plan = lambda rooms, *a, **kw: {r: min(3, room) if policy.guard.num_steps >= 30 else 0
+                                          for r, room in rooms.items()}
+    prompt = spec_prompts()[4]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    ref = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", block_size=8)
+    assert out.outputs[0].token_ids == ref.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    h = llm.engine.loaded.arch.hidden_size
+    assert events[0] == 2 * h, "the prompt's step keeps its feature"
+    assert events.count(h) >= 20, "dormant decode steps kept the feature"
+    wakes = [i for i, e in enumerate(events) if e == "wake"]
+    assert wakes, "no plan came at a step without the feature"
+    for i in wakes:  # the waking step stores zeros; the next one the feature, and its plan drafts
+        assert events[i + 1] == h and events[i + 2] == 2 * h
+    assert out.metrics.num_drafts > 0 and out.metrics.num_accepted_tokens > 0
+
+
 def reference_one(model_dir, prompt: list[int]) -> list[int]:
     plain = LLM(str(model_dir), dtype="float32", device="cpu", block_size=8)
     return plain.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids

@@ -39,6 +39,9 @@ class AdversarialProposer:
     def draft_probs(self, req_id: str):
         return None
 
+    def needs_aux(self, sched, deferred) -> bool:
+        return False  # it reads no hidden states
+
     def idle(self, sched) -> bool:
         return False
 
