@@ -4,7 +4,8 @@ feature (docs/speculative.md, "Dormant"). One engine with a head that fuses targ
 concurrency), so after `dormant_after` steps the policy is dormant. Blocks of `--block` steps then
 alternate between dormancy on and off (`dormant_after` huge: every step computes the feature), in
 one process, with the off blocks also timed against each other (A/A). Reports the median step time
-of each variant and the median of the per-round ratios.
+of each variant and the median of the per-round ratios. (Under async scheduling every step is left in
+flight; with synchronous steps, the CPU default, each plans and drafts nothing.)
 
     python bench/dormant_steps.py                                   # CPU, default model, shipped head
     python bench/dormant_steps.py --device cuda --load-format dummy --model llama-3.1-8b --eagle dummy3
@@ -46,7 +47,10 @@ def main() -> int:
               speculative_config=spec)
     engine = llm.engine
     policy = engine.proposer.policy
-    policy.plan = lambda rooms, *a, **kw: dict.fromkeys(rooms, 0)  # no drafts: dormant after dormant_after steps
+    # no drafts, and (async scheduling) every step left in flight, as where adaptive k finds none worth
+    # trying: dormant after dormant_after steps
+    policy.plan = lambda rooms, *a, **kw: dict.fromkeys(rooms, 0)
+    engine.proposer.idle = lambda sched: True
     params = SamplingParams(temperature=0.0, max_tokens=steps_needed, ignore_eos=True)
     for i in range(args.concurrency):
         prompt = [(i * 7919 + j * 104729) % 30000 + 3 for j in range(args.prompt_len)]
