@@ -135,12 +135,12 @@ class EagleProposer:
         scheduling only steps left in flight leave it out: the others are where the policy plans,
         and a spell starts there with the newest feature. With synchronous steps every step plans,
         so a dormant decode step leaves it out too, and if its plan drafts it drafts nothing
-        (`_featureless`): the next step computes the feature."""
+        (`_wake_instead_of_drafting`): the next step computes the feature."""
         if not deferred and self.policy.async_steps:
             return True
         return not (self.head.aux_layers and self.policy.dormant() and all(s.num_tokens == 1 for s in sched.scheduled))
 
-    def _featureless(self, hidden: torch.Tensor, slots: list[DraftSlot]) -> None:
+    def _wake_instead_of_drafting(self, hidden: torch.Tensor, slots: list[DraftSlot]) -> None:
         """A step that ran without the fused feature (`needs_aux`) and whose plan drafts: its drafts
         would start from a zero feature at the newest position, which the first draft reads most.
         The plan wakes the policy instead (no drafts this step; the next step computes the feature
@@ -173,7 +173,7 @@ class EagleProposer:
         sched, out = step.sched, step.out
         step_verified(self.policy, sched, out)
         slots = plan_step(self.policy, sched, out, self.max_model_len, self.max_num_batched_tokens, self.entries.behind)
-        self._featureless(step.hidden, slots)
+        self._wake_instead_of_drafting(step.hidden, slots)
         for slot in slots:
             self._probs.pop(slot.sched.request.request_id, None)  # its drafts were verified (or it gets none)
         self._store(step.hidden, step.slot_mapping)
@@ -216,7 +216,7 @@ class EagleProposer:
         policy.proposals_made()  # this step drafts the next one's within its own time
         rows = {s.request.request_id: (i, first, count) for i, (s, first, count) in enumerate(step.logits_rows)}
         slots = planned_on_device(policy, sched, self.max_model_len, self.max_num_batched_tokens, self.entries.behind)
-        self._featureless(step.hidden, slots)
+        self._wake_instead_of_drafting(step.hidden, slots)
         self._store(step.hidden, step.slot_mapping)
         bs, num_logits = self.entries.block_size, step.argmax.shape[0]
         chained: list[DraftSlot] = []
