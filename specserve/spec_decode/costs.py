@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROFILE_SIZES = (1, 2, 3, 5, 9, 17, 33, 65)  # past 65: the last slope (compute bound by then)
-QUICK = 17  # sizes up to this are timed best-of-`reps`; larger ones once (they take long)
 
 
 class StepCosts:
@@ -50,8 +49,10 @@ class StepCosts:
 def profile_forward(executor: ModelExecutor, sizes: tuple[int, ...] = PROFILE_SIZES, reps: int = 3
                     ) -> dict[int, float]:
     """Seconds per forward (with logits for every token, as verification needs) of 1 request of N
-    tokens, for N in `sizes`: the best of `reps`. Writes KV into the first blocks: call it before
-    serving any request."""
+    tokens, for N in `sizes`: the best of `reps` at every size. One slow forward must not set a cost:
+    the slope from 17 to 33 tokens decides whether drafts pay at 16 requests, and timed once a 33-token
+    forward put it at up to 2.3x against ~1.45x in 5 of 24 profiles on a 2-core CPU (BENCHMARKS.md).
+    Writes KV into the first blocks: call it before serving any request."""
     device, block_size = executor.device, executor.block_size
 
     def once(n: int) -> float:
@@ -65,7 +66,7 @@ def profile_forward(executor: ModelExecutor, sizes: tuple[int, ...] = PROFILE_SI
         return time.perf_counter() - t0
 
     once(sizes[0])  # warm-up
-    return {n: min(once(n) for _ in range(reps if n <= QUICK else 1)) for n in sizes}
+    return {n: min(once(n) for _ in range(reps)) for n in sizes}
 
 
 def measured_costs(times: dict[int, float], compute_bound_tokens: int) -> StepCosts:
