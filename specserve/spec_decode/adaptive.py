@@ -167,7 +167,7 @@ class AdaptiveK:
         # Dormant: no plan has drafted for `dormant_after` steps. A head that fuses target layers then
         # lets the target leave its feature out of its decode steps (EagleProposer.needs_aux):
         # where drafting does not pay (64 requests on 8B shapes) the feature cost every step ~0.6% of
-        # the target's weight bytes for nothing (a step 1.0% longer, bench/dormant_steps.py).
+        # the target's weight bytes for nothing (a step left in flight 0.4% longer: bench/dormant_steps.py).
         self.dormant_after = 64
         self._drafted_at = 0  # the guard's step of the last plan that drafted
         self._spell_steps: dict[int, tuple[float, int]] = {}  # batch bucket -> (plans its spells lasted, at step)
