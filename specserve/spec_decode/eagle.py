@@ -145,7 +145,7 @@ class EagleProposer:
         would start from a zero feature at the newest position, which the first draft reads most.
         The plan wakes the policy instead (no drafts this step; the next step computes the feature
         and plans again): a spell starts one step later than it would have."""
-        if self.head.aux_layers and hidden.shape[1] == self.head.cfg.hidden_size and any(s.k for s in slots):
+        if self._without_feature(hidden) and any(s.k for s in slots):
             self.policy.wake()
             for slot in slots:
                 slot.k = 0
@@ -331,12 +331,15 @@ class EagleProposer:
         or for a head over several layers the fused feature the target's forward computed beside them
         (`fuse_target_layers`): one copy per step, drafting or not. A step whose forward left the
         feature out (`needs_aux`: hidden is [num_tokens, h]) stores zeros there."""
-        h = self.head.cfg.hidden_size
-        if self.head.aux_layers and hidden.shape[1] == h:
+        if self._without_feature(hidden):
             self._hidden.index_fill_(0, slot_mapping, 0)
             return
-        feature = hidden[:, h:] if self.head.aux_layers else hidden
+        feature = hidden[:, self.head.cfg.hidden_size:] if self.head.aux_layers else hidden
         self._hidden.index_copy_(0, slot_mapping, feature.to(self._hidden.dtype))
+
+    def _without_feature(self, hidden: torch.Tensor) -> bool:
+        """Did the step's forward leave the fused feature out (`needs_aux`)? Then hidden is [num_tokens, h]."""
+        return bool(self.head.aux_layers) and hidden.shape[1] == self.head.cfg.hidden_size
 
     def _catch_up(self, segments: list[tuple[DraftSlot, int, int]], ks: list[int]
                   ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
