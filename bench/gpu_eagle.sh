@@ -13,6 +13,8 @@
 # Settings (environment): TRAIN_CONVERSATIONS (8000: the benchmark's held-out ShareGPT prompts are
 # conversations TRAIN_CONVERSATIONS .. +799, never trained on; training uses every other conversation
 # whose first prompt has at most 4000 characters), REGEN_TOKENS (256: the longest regenerated answer),
+# REGEN_TURNS (1: answers per conversation; more answer the data's next user turns too, after the
+# target's own answers: train-draft --regenerate-turns; the data's answers travel as "." placeholders),
 # TRAIN_MINUTES (8.7), TRAIN_EPOCHS (20), TRAIN_BATCH (16), REGENERATED (train on an earlier run's
 # regenerated.json(.gz)), REGEN_ONLY (1: answer the prompts and stop), TRAIN_ARGS (more flags of
 # train-draft, e.g. "--init HEAD --fuse-layers auto"), PROMPTS (the training prompts' JSON made before
@@ -33,7 +35,7 @@ case "${1:-}" in
     [ "$1" = prompts ] && PROMPTS_OUT=$2 || PROMPTS_OUT=/tmp/sharegpt_train.json
     [ "$1" = train ] && gguf=$2
     [ "$1" = train ] && [ -n "${PROMPTS:-}" ] && PROMPTS_OUT=$PROMPTS
-    [ -n "${REGENERATED:-}" ] || [ -f "$PROMPTS_OUT" ] || $PY - "$TRAIN_CONVERSATIONS" "$PROMPTS_OUT" <<'EOF'
+    [ -n "${REGENERATED:-}" ] || [ -f "$PROMPTS_OUT" ] || $PY - "$TRAIN_CONVERSATIONS" "$PROMPTS_OUT" "${REGEN_TURNS:-1}" <<'EOF'
 import json, sys, zipfile, os
 sys.path.insert(0, "bench")
 from prompts import SHAREGPT, _member, iter_json_array
@@ -46,7 +48,11 @@ for i, c in enumerate(iter_json_array(text)):
     # a record that opens with an answer (a split conversation's later part) has no prompt: train-draft drops it
     if i in held_out or first is None or sum(len(t.get("value") or "") for t in turns[:first]) > 4000:
         continue
-    convs.append({"conversations": turns[:first + 1]})  # the prompt; --regenerate answers it anew
+    # the prompts up to the REGEN_TURNS-th answer; --regenerate answers them anew (the answers' text,
+    # never read, becomes a placeholder: the file stays small enough to carry)
+    answers = [j for j, t in enumerate(turns) if t.get("from") == "gpt"][:int(sys.argv[3])]
+    convs.append({"conversations": [dict(t, value=".") if t.get("from") == "gpt" else t
+                                    for t in turns[:answers[-1] + 1]]})
 json.dump(convs, open(sys.argv[2], "w"))
 print("training conversations:", len(convs))
 EOF
@@ -54,7 +60,8 @@ EOF
     # the time budget (the learning rate anneals to 0 when it runs out)
     # REGENERATED=FILE: a regenerated.json(.gz) of an earlier run instead of answering anew
     [ "$1" = prompts ] && exit 0
-    data=(--data "$PROMPTS_OUT" --regenerate --regenerate-max-tokens "${REGEN_TOKENS:-256}")
+    data=(--data "$PROMPTS_OUT" --regenerate --regenerate-max-tokens "${REGEN_TOKENS:-256}"
+          --regenerate-turns "${REGEN_TURNS:-1}")
     [ -n "${REGENERATED:-}" ] && data=(--data "$REGENERATED")
     budget=(--max-minutes "${TRAIN_MINUTES:-8.7}")
     [ -n "${REGEN_ONLY:-}" ] && budget=(--stop-after-steps 1)

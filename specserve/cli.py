@@ -77,6 +77,8 @@ def _add_train_draft(sub: argparse._SubParsersAction) -> None:
         ("--seed", int, "data order and initialisation (default 0)"),
         ("--threads", int, "CPU threads (default torch's)"),
         ("--regenerate-max-tokens", int, "--regenerate: the longest answer (default 512)"),
+        ("--regenerate-turns", int, "--regenerate: answers per conversation, to its first prompt and then to "
+         "its next user turns after the target's own answers (default 1)"),
     ]:
         p.add_argument(flag, type=kind, help=text)
     p.add_argument("--init", help="last-layer (default: the head's layer starts as the target's last one), "
@@ -91,7 +93,7 @@ def _add_train_draft(sub: argparse._SubParsersAction) -> None:
                    help="the saved head's weights (default bfloat16; the checkpoint keeps fp32)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     p.add_argument("--regenerate", action="store_true",
-                   help="train on the target's own greedy answers to the data's first prompts (made once, "
+                   help="train on the target's own greedy answers to the data's prompts (made once, "
                    "kept in OUT/regenerated.json) instead of the data's answers")
     p.set_defaults(func=cmd_train_draft)
 

@@ -52,7 +52,7 @@ SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": 
 # what a resumed run must share with the checkpoint for its data order and schedule to continue
 _RUN_OPTIONS = ("max_len", "max_conversations", "eval_conversations", "draft_vocab_size", "ttt_depth", "lr",
                 "warmup_steps", "batch_size", "epochs", "max_steps", "seed", "init", "fuse_layers", "regenerate",
-                "regenerate_max_tokens")
+                "regenerate_max_tokens", "regenerate_turns")
 
 
 @dataclass
@@ -83,11 +83,12 @@ class TrainConfig:
     threads: int | None = None
     save_dtype: str = "bfloat16"  # the saved head's weights (the checkpoint keeps fp32 ones)
     resume: bool = False
-    regenerate: bool = False  # train on the target's own answers to the data's first prompts
+    regenerate: bool = False  # train on the target's own answers to the data's prompts
     regenerate_max_tokens: int = 512
+    regenerate_turns: int = 1  # answers per conversation: the data's first prompt, then its next user turns
 
     def __post_init__(self) -> None:
-        for name in ("ttt_depth", "batch_size", "epochs", "eval_every", "save_every"):
+        for name in ("ttt_depth", "batch_size", "epochs", "eval_every", "save_every", "regenerate_turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("max_len", "max_conversations", "max_steps", "stop_after_steps", "threads", "draft_vocab_size",
@@ -105,6 +106,8 @@ class TrainConfig:
             raise ValueError(f"--init {self.init!r}: choose {' or '.join(INITS)}, or give a head directory "
                              "(made by `specserve train-draft`)")
         parse_fuse_layers(self.fuse_layers, 1 << 30)  # the format; the range once the target is known
+        if self.regenerate_turns > 1 and not self.regenerate:
+            raise ValueError("--regenerate-turns applies to --regenerate (the target answering the data's prompts)")
         if self.ttt_depth > 16:
             raise ValueError(f"--ttt-depth {self.ttt_depth}: at most 16 (the engine drafts at most 16 tokens)")
 
@@ -323,7 +326,8 @@ def _regenerated(cfg: TrainConfig, loaded, max_len: int, device: torch.device, s
         saved = json.loads(path.read_text())
         return saved["train"], saved["eval"]
     out = regenerate(loaded.path, cfg.dtype, device, max_len, cfg.regenerate_max_tokens,
-                     {"train": train_convs, "eval": eval_convs}, lambda text: print(text, file=stream, flush=True))
+                     {"train": train_convs, "eval": eval_convs}, lambda text: print(text, file=stream, flush=True),
+                     cfg.regenerate_turns)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     return out["train"], out["eval"]
@@ -462,7 +466,8 @@ def _check_resume(state: dict, identity: dict, cfg: TrainConfig, out: Path) -> N
     if theirs.get("data") != identity["data"]:
         raise ValueError(f"--resume: the checkpoint in {out} was trained on other data (or other --max-len / "
                          "--max-conversations): the data order would not continue")
-    options = {"fuse_layers": "none", **state["options"]}  # checkpoints from before fused heads fused none
+    # checkpoints from before fused heads fused none; from before --regenerate-turns, one turn
+    options = {"fuse_layers": "none", "regenerate_turns": 1, **state["options"]}
     changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (checkpoint: {v})" for k, v in options.items()
                if getattr(cfg, k) != v]
     if changed:

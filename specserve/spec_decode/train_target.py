@@ -94,43 +94,61 @@ class TargetFeatures:
 
 
 def regenerate(target: str, dtype: str, device: torch.device, max_len: int, max_tokens: int,
-               splits: dict[str, list[list[dict]]], message) -> dict[str, list[list[dict]]]:
-    """Each conversation cut to its turns before the first answer, answered by the target itself
-    (greedy, at most max_tokens, through our engine): the text the head drafts when serving. A
-    conversation whose prompt leaves less than max_tokens of room in max_len is dropped."""
+               splits: dict[str, list[list[dict]]], message, turns: int = 1) -> dict[str, list[list[dict]]]:
+    """Each conversation answered by the target itself, greedy, at most max_tokens per answer, through
+    our engine: the text the head drafts when serving. Its turns before the first answer get the
+    target's answer; with `turns` > 1, the data's next user turns are put after that answer and the
+    target answers them too, up to `turns` answers (the data's own answers are never read). A
+    conversation ends at the first turn whose prompt leaves less than max_tokens of room in max_len
+    (one that ends before its first answer is dropped) and after an empty answer (left out); an answer
+    cut at max_tokens stays in the context of the next turn, as a served conversation goes on after
+    a reply cut at its max_tokens."""
     from specserve import LLM, SamplingParams
 
     # throughput work: twice the serving default of requests in flight on a GPU
     llm = LLM(target, dtype=dtype, device=str(device), max_model_len=max_len,
               max_num_seqs=512 if device.type == "cuda" else 256)
+    answered: dict[str, list[list[dict] | None]] = {name: [None] * len(convs) for name, convs in splits.items()}
+    # the conversations still going: (split, index, the messages so far, where the data's next turns start)
+    going = [(name, i, [], 0) for name, convs in splits.items() for i in range(len(convs))]
+    num_tokens, t0 = 0, time.monotonic()
     try:
         tokenizer = llm.tokenizer
-        prompts, owners = [], []
-        for name, conversations in splits.items():
-            for i, messages in enumerate(conversations):
-                first = next(j for j, m in enumerate(messages) if m["role"] == "assistant")
+        for turn in range(turns):
+            prompts, owners = [], []
+            for name, i, so_far, pos in going:
+                messages = splits[name][i]
+                nxt = next((j for j in range(pos, len(messages)) if messages[j]["role"] == "assistant"), None)
+                if nxt is None or nxt == pos:  # no further answer in the data, or no prompt before it
+                    continue
+                context = so_far + messages[pos:nxt]
                 try:
-                    text = tokenizer.apply_chat_template(messages[:first], tokenize=False, add_generation_prompt=True)
+                    text = tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
                 except Exception:  # jinja refuses it (e.g. roles that do not alternate)
                     continue
                 ids = tokenizer.encode(text, add_special_tokens=False)
                 if len(ids) + max_tokens <= max_len:
                     prompts.append({"prompt_token_ids": ids})
-                    owners.append((name, i, first))
-        message(f"train-draft: regenerating {len(prompts)} answers with the target (greedy, at most "
-                f"{max_tokens} tokens each) on {device}")
-        t0 = time.monotonic()
-        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+                    owners.append((name, i, context, nxt + 1))
+            if not prompts:
+                break
+            of_turns = "" if turns == 1 else f" to turn {turn + 1} (of at most {turns})"
+            message(f"train-draft: regenerating {len(prompts)} answers{of_turns} with the target (greedy, at most "
+                    f"{max_tokens} tokens each) on {device}")
+            outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+            going = []
+            for (name, i, context, pos), o in zip(owners, outputs):
+                answer = o.outputs[0]
+                num_tokens += len(answer.token_ids)
+                if not answer.text.strip():
+                    continue
+                answered[name][i] = context + [{"role": "assistant", "content": answer.text}]
+                going.append((name, i, answered[name][i], pos))
     finally:
         llm.shutdown()
         del llm
         gc.collect()  # the engine's KV cache goes back before the head trains
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     message(f"train-draft: {num_tokens} tokens regenerated in {time.monotonic() - t0:.0f} s")
-    out: dict[str, list[list[dict]]] = {name: [] for name in splits}
-    for (name, i, first), o in zip(owners, outputs):
-        if o.outputs[0].text.strip():
-            out[name].append(splits[name][i][:first] + [{"role": "assistant", "content": o.outputs[0].text}])
-    return out
+    return {name: [c for c in convs if c is not None] for name, convs in answered.items()}

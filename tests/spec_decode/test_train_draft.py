@@ -279,6 +279,53 @@ def test_regenerate_trains_on_the_targets_own_answers(chat_target, chat_data, tm
                       dtype="float32"), stream=log)
 
 
+def test_regenerate_turns_answers_the_datas_next_prompts_after_the_targets_own_answers(chat_target, tmp_path):
+    """--regenerate-turns 2: after the target's answer to the first prompt comes the data's next user
+    turn and the target's answer to that conversation (the data's answers are never read); a
+    conversation whose next prompt does not fit in --max-len, or that has no further turn, keeps
+    one answer; --resume refuses another --regenerate-turns."""
+    from specserve import LLM, SamplingParams
+
+    records = _conversations(16, seed=5)
+    long_turn = {"from": "human", "value": " ".join(WORDS * 3)}  # never fits beside an answer in 96 tokens
+    records[0]["conversations"] = records[0]["conversations"][:2] + [long_turn, {"from": "gpt", "value": "x"}]
+    data = tmp_path / "chats.json"
+    data.write_text(json.dumps(records))
+    out, log = tmp_path / "regen", io.StringIO()
+    train(_config(chat_target, data, out, regenerate=True, regenerate_max_tokens=6, regenerate_turns=2,
+                  stop_after_steps=1, max_len=96, dtype="float32"), stream=log)
+    assert "regenerating 16 answers to turn 1 (of at most 2) with the target" in log.getvalue()
+    saved = json.loads((out / "regenerated.json").read_text())
+    convs = saved["train"] + saved["eval"]
+    by_prompt = {r["conversations"][0]["value"]: r["conversations"] for r in records}
+    llm = LLM(str(chat_target), device="cpu", dtype="float32", max_model_len=96)
+
+    def answer(messages: list[dict]) -> str:
+        text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        return llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].text
+
+    two = 0
+    for messages in convs:
+        data_turns = by_prompt[messages[0]["content"]]
+        data_users = [t["value"] for t in data_turns if t["from"] == "human"]
+        assert [m["role"] for m in messages] in (["user", "assistant"], ["user", "assistant"] * 2)
+        assert messages[1]["content"] == answer(messages[:1])
+        if len(messages) == 4:
+            two += 1
+            assert messages[2]["content"] == data_users[1] and messages[3]["content"] == answer(messages[:3])
+        else:
+            assert len(data_users) == 1 or data_users[1] == long_turn["value"]
+    llm.shutdown()
+    assert len(convs) == 16 and two == sum(len(r["conversations"]) == 4 for r in records[1:]) > 0
+    assert f"regenerating {two} answers to turn 2 (of at most 2)" in log.getvalue()
+    with pytest.raises(ValueError, match="--regenerate-turns 3 \\(checkpoint: 2\\)"):
+        train(_config(chat_target, data, out, regenerate=True, regenerate_max_tokens=6, regenerate_turns=3,
+                      resume=True, max_len=96, dtype="float32"), stream=log)
+    with pytest.raises(ValueError, match="--regenerate-turns applies to --regenerate"):
+        _config(chat_target, data, out, regenerate_turns=2)
+
+
 def test_time_budget_anneals_the_learning_rate():
     """With --max-minutes the cosine reaches 0 when the time runs out, even if steps remain."""
     assert learning_rate(50, 1.0, 10, 100) == pytest.approx(0.5 * (1 + np.cos(np.pi * 40 / 90)))
