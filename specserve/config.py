@@ -19,6 +19,9 @@ QUANTIZATIONS = (None, "bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4") 
 LOAD_FORMATS = ("auto", "dummy")
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 EAGLE_METHODS = ("eagle", "eagle3")  # eagle3: a head that fuses several of the target's layers
+# the cap on drafts per step when none is given: for an EAGLE head the chain depth the shipped head was
+# trained to (train-draft --ttt-depth 4) and every EAGLE benchmark's; 3 for the others
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"eagle": 4, "eagle3": 4}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -106,7 +109,7 @@ class SpecConfig:
     `model` is given (an EAGLE head directory: "eagle"), else "ngram"."""
 
     method: str | None = None
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | None = None  # None: DEFAULT_NUM_SPECULATIVE_TOKENS for the method, else 3
     model: str | None = None
     quantization: str | None = None
     load_format: str = "auto"
@@ -133,6 +136,8 @@ class SpecConfig:
             raise ValueError(f"speculative method ngram drafts from the prompt and takes no model; for the "
                              f"draft model {self.model!r} use method draft_model (or leave method out)")
 
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS.get(self.method, 3)
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -61,7 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     s.add_argument("--draft-model", default=None,
                    help="a draft model path, or self / self-int8 / self-nf4 (the target's weights)")
-    s.add_argument("--num-speculative-tokens", type=int, default=None)
+    s.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="the most drafts per request per step (default 4 for an EAGLE head, 3 otherwise)")
     s.add_argument("--draft-quantization", choices=["bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4"],
                    default=None)
     s.add_argument("--draft-load-format", choices=LOAD_FORMATS, default=None)

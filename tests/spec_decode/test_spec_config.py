@@ -31,3 +31,14 @@ def test_what_cannot_be_honoured_is_refused(spec, message):
 def test_dummy_draft_shapes_need_no_path():
     config = engine_config_from_args(speculative_config='{"model": "llama-3.2-1b", "load_format": "dummy"}')
     assert config.spec.method == "draft_model"
+
+
+def test_the_cap_on_drafts_defaults_by_method(tiny_llama_dir):
+    """Left out, k is 4 for an EAGLE head (the chain depth the shipped head was trained to) and 3 for
+    the others; given, it is the given value for every method."""
+    cases = [('{"method": "eagle"}', 4), ('{"method": "eagle3"}', 4), ('{"method": "ngram"}', 3),
+             (f'{{"model": "{tiny_llama_dir}"}}', 3), ('{"method": "eagle", "num_speculative_tokens": 2}', 2)]
+    for spec, k in cases:
+        assert engine_config_from_args(speculative_config=spec).spec.num_speculative_tokens == k, spec
+    assert engine_config_from_args(speculative_config='{"method": "eagle"}', num_speculative_tokens=5) \
+        .spec.num_speculative_tokens == 5
