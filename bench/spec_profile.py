@@ -15,6 +15,10 @@ host sets a step's pace, compare runs of different processes against it.
     python bench/spec_profile.py --device cuda --load-format dummy --model llama-3.1-8b \
         --eagle dummy --eagle-acceptance 0.43 0.44 0.57 0.41 --concurrency 1 16 64
     python bench/spec_profile.py --eagle specserve/spec_decode/heads/SmolLM2-135M-Instruct   # CPU, default model
+
+On a CPU, `--drafts-on-device --async-scheduling` runs the path a GPU takes (verification and drafts
+queued without a host wait, the step left in flight), eagerly: its host phases and books can be
+timed where no GPU is at hand (the phases that launch device work also hold the CPU's compute).
 """
 from __future__ import annotations
 
@@ -41,8 +45,13 @@ from specserve.engine import model_runner
 def build(args, spec: dict | None) -> LLM:
     max_len = args.prompt_len + args.steps * (args.k + 1) + 64
     extra = {"num_kv_blocks": 2 * max(args.concurrency) * -(-max_len // 16)} if args.device != "cpu" else {}
-    return LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-               max_num_seqs=max(args.concurrency), max_model_len=max_len, speculative_config=spec, **extra)
+    if args.async_scheduling:
+        extra["async_scheduling"] = True
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+              max_num_seqs=max(args.concurrency), max_model_len=max_len, speculative_config=spec, **extra)
+    if spec is not None and args.drafts_on_device:  # the CUDA path, run eagerly (as the tests do on the CPU)
+        llm.engine.runner.proposer.drafts_on_device = True
+    return llm
 
 
 def decode_steps(llm: LLM, concurrency: int, args, profile: cProfile.Profile | None, trace: str | None = None,
@@ -252,7 +261,10 @@ def main() -> int:
     ap.add_argument("--eagle", default=None,
                     help="a head directory, or with dummy weights any value (dummy3: a head that fuses target layers)")
     ap.add_argument("--eagle-acceptance", type=float, nargs="+", default=None,
-                    help="dummy weights: acceptance per draft position (BENCHMARK-ONLY replay)")
+                    help="acceptance per draft position (BENCHMARK-ONLY replay; dummy weights: default 0.8)")
+    ap.add_argument("--drafts-on-device", action="store_true",
+                    help="CPU: draft through the CUDA path (draft_on_device), eagerly: its host work")
+    ap.add_argument("--async-scheduling", action="store_true", help="CPU: async scheduling (the CUDA default)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--no-adaptive", action="store_true")
     ap.add_argument("--both-policies", action="store_true", help="an adaptive engine and a k-forced one side by side")
@@ -270,6 +282,8 @@ def main() -> int:
     spec = {"method": method, "model": args.eagle, "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive}
     if args.load_format == "dummy":
         spec.update(load_format="dummy", simulated_acceptance=args.eagle_acceptance or [0.8])
+    elif args.eagle_acceptance:
+        spec.update(simulated_acceptance=args.eagle_acceptance)
     results = {"args": vars(args), "host_probe_ms": host_probe(), "levels": []}
     if args.both_policies:  # "eagle" adaptive, "eagle_forced" with k = args.k always
         engines = {"none": build(args, None), "eagle": build(args, {**spec, "adaptive": True}),
