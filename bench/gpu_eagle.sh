@@ -7,6 +7,8 @@
 #   bash bench/gpu_eagle.sh prompts FILE      # only write train's prompts (JSON) to FILE
 #   bash bench/gpu_eagle.sh real GGUF HEAD    # acceptance + tokens/s with and without HEAD on held-out
 #                                             # prompts (ShareGPT after the training ones, HumanEval)
+#   bash bench/gpu_eagle.sh turns GGUF HEAD   # HEAD's acceptance per turn of held-out conversations the
+#                                             # target answers for 3 turns (bench/head_turns.py)
 #   bash bench/gpu_eagle.sh dummy A1 .. Ak    # Llama-3.1-8B shapes, dummy target + dummy head, acceptance
 #                                             # replayed per position (BENCHMARK-ONLY), c = 1 .. 256
 #
@@ -76,10 +78,14 @@ EOF
       --sharegpt-skip "$TRAIN_CONVERSATIONS" --concurrency ${LEVELS:-1 4 16 64} --num-speculative-tokens 4 \
       --max-tokens 128 --repeats 5 --repeats-large 3 --interleave --out "$OUT/${NAME:-spec_real}" ${SPEC_ARGS:-} \
       > "$LOGS/${NAME:-spec_real}.log" 2>&1 ;;
+  turns)
+    $PY bench/head_turns.py --target "$2" --head "$3" --device cuda --dtype bfloat16 --conversations 256 --turns 3 \
+      --max-tokens 256 --skip "$TRAIN_CONVERSATIONS" --out "$OUT/${NAME:-head_turns}" ${SPEC_ARGS:-} \
+      > "$LOGS/${NAME:-head_turns}.log" 2>&1 ;;
   dummy)
     shift
     $PY bench/spec_decode.py --device cuda --dtype bfloat16 --load-format dummy --model "${MODEL:-llama-3.1-8b}" \
       --eagle "${EAGLE:-dummy}" --eagle-acceptance "$@" --concurrency ${LEVELS:-1 16 64 256} --num-speculative-tokens 4 \
       --max-tokens 256 --prompt-len 128 --repeats 1 --out "$OUT/${NAME:-spec_dummy}" ${SPEC_ARGS:-} > "$LOGS/${NAME:-spec_dummy}.log" 2>&1 ;;
-  *) echo "usage: $0 train GGUF | prompts FILE | real GGUF HEAD | dummy A1 .. Ak" >&2; exit 2 ;;
+  *) echo "usage: $0 train GGUF | prompts FILE | real GGUF HEAD | turns GGUF HEAD | dummy A1 .. Ak" >&2; exit 2 ;;
 esac
