@@ -2,7 +2,8 @@
 at several concurrency levels, in one run, same engine settings and same prompts.
 
 CPU (default): the default model (SmolLM2-135M-Instruct) with n-gram drafts on HumanEval
-(the model is asked to complete the function: chat template) and ShareGPT (first human turn),
+(the model is asked to complete the function: chat template) and ShareGPT (first human turn; `turns`:
+the later turns of conversations the target answered itself, `--turns-file` from bench/head_turns.py),
 greedy, natural stops capped at --max-tokens:
 
     python bench/spec_decode.py --threads 1 --dtype float32 --out bench/results/spec_decode_cpu
@@ -80,6 +81,16 @@ def load_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
         texts = [h for h, _ in sharegpt_conversations(limit=4 * need, skip=args.sharegpt_skip)]
         ids = [tokenizer.encode(chat(t), add_special_tokens=False) for t in texts]
         out["sharegpt"] = [p for p in ids if len(p) <= args.max_prompt_len][:need]
+    if "turns" in args.datasets:  # later turns of conversations, after the target's own earlier answers
+        if not args.turns_file:
+            raise SystemExit("--datasets turns needs --turns-file (bench/head_turns.py --regenerated FILE)")
+        ids = []
+        for messages in json.loads(Path(args.turns_file).read_text()):
+            answers = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+            for j in answers[1:]:  # each later answer's prompt: the conversation up to it
+                text = tokenizer.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True)
+                ids.append(tokenizer.encode(text, add_special_tokens=False))
+        out["turns"] = [p for p in ids if len(p) <= args.max_prompt_len][:need]
     return out
 
 
@@ -304,7 +315,11 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--datasets", nargs="+", default=["humaneval", "sharegpt"])
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "sharegpt"],
+                    help="humaneval, sharegpt (first prompts), turns (later turns: --turns-file)")
+    ap.add_argument("--turns-file", default=None,
+                    help="conversations the target answered for several turns (bench/head_turns.py --regenerated): "
+                         "each later answer's prompt is the conversation before it, the target's answers included")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--min-requests", type=int, default=8, help="requests per level below c=16")
     ap.add_argument("--waves", type=int, default=1, help="requests per level from c=16: this many x c")
