@@ -7,10 +7,7 @@ bf16 the verification shapes k implies can flip near-ties: docs/speculative.md, 
 
 - a target forward over N tokens costs `costs(N)` steps (specserve/spec_decode/costs.py): analytically
   `1 + N / compute_bound_tokens` (reading the weights once, plus compute per token; the sum, not
-  the max: conservative), or interpolated from a start-up profile (the CPU default). The profile times
-  one request of N tokens from an empty context; where it is measured, a plain step over the batch
-  costs at least what recent ones took (`_base_cost`): attention over long contexts and the step's
-  host work are paid by every step, drafting or not, and drafts only add the table's extra tokens;
+  the max: conservative), or interpolated from a start-up profile (the CPU default);
 - each autoregressive draft-model step costs `draft_cost` target steps (0 for n-gram lookup), or,
   when its device time is known (`draft_seconds`: an EAGLE chain's graph), that time over the plain
   step's measured one (a target whose host sets the pace takes longer per step than its device time);
@@ -77,7 +74,6 @@ class AdaptiveK:
         self.measure_draft_cost = False  # ... and the draft model's step cost
         self.draft_cost = draft_cost
         self.draft_seconds: float | None = None  # a draft step's device seconds, where measured
-        self.one_token_seconds: float | None = None  # the measured table's unit (`calibrate`), seconds
         self.prior, self.prior_weight = prior, prior_weight
         # a prior per key (n-gram: by match length), and the best prior any key can have
         self.prior_of: Callable[[Hashable], float] = lambda key: prior
@@ -255,7 +251,6 @@ class AdaptiveK:
         """Measure this machine's step costs with the target (and the draft model) before serving."""
         times = profile_forward(target)
         self.costs = measured_costs(times, self.compute_bound_tokens)
-        self.one_token_seconds = times[min(times)]
         if draft is not None and self.measure_draft_cost:
             self.draft_cost = profile_forward(draft, sizes=(1,))[1] / times[1]
 
@@ -405,11 +400,8 @@ class AdaptiveK:
         unit = self.guard.plain_unit(num_base_tokens)
         if unit is None:
             return
-        table, plain = self.costs(num_base_tokens), self._base_cost(num_base_tokens)
-        scale = unit * table / plain  # seconds per cost unit (the one-token forward's where plain > table)
-        modelled = plain + self.costs(num_base_tokens + num_draft_tokens) - table + \
-            num_draft_steps * self._draft_cost(num_base_tokens)
-        sample = min(max(seconds / scale - modelled, 0.0), 3.0 * plain)
+        modelled = self.costs(num_base_tokens + num_draft_tokens) + num_draft_steps * self._draft_cost(num_base_tokens)
+        sample = min(max(seconds / unit - modelled, 0.0), 3.0 * self.costs(num_base_tokens))
         self.step_overhead = 0.8 * self.step_overhead + 0.2 * sample
 
     def _margin(self, num_sampled: int) -> float:
@@ -427,7 +419,7 @@ class AdaptiveK:
         margin = self._margin(num_sampled)
         prior = self._pooled() if self.shared_prior else self.best_prior
         best = max([self.acceptance(key) for key in self._est] + [prior])
-        base = self._base_cost(num_base_tokens)
+        base = self.costs(num_base_tokens)
         trust = self.guard.trust(num_base_tokens)
         gain = 0.0
         for k in range(1, self.max_k + 1):
@@ -440,20 +432,9 @@ class AdaptiveK:
                         return True
                     rows = catch_up() if rows is None else rows
                     if self._repays_start(num * gain / num_sampled * base - extra, rows * num / num_sampled,
-                                          num_sampled, num_base_tokens):
+                                          num_sampled, num_base_tokens, base):
                         return True
         return False
-
-    def _base_cost(self, num_base_tokens: int) -> float:
-        """A plain step over `num_base_tokens` tokens in the cost table's units. With a measured table
-        (the CPU), the larger of the table's cost and what recent plain steps over such a batch took:
-        the profile's forwards start from an empty context, while a decode step also reads every
-        request's context and does the step's host work, which a drafting step does once too (on the
-        CPU at 16 requests deep into conversations, a plain step took ~4x what the table says, and
-        drafts that the table alone priced out gave 2x). Analytic costs (CUDA) are the table's."""
-        base = self.costs(num_base_tokens)
-        unit = self.guard.plain_unit(num_base_tokens) if self.one_token_seconds else None
-        return base if unit is None else max(base, unit * base / self.one_token_seconds)
 
     def _extra_cost(self, num_base_tokens: int, num_spec: int, num_draft_steps: int) -> float:
         """What `num_spec` drafts (and `num_draft_steps` draft-model steps) add to a step over
@@ -510,11 +491,10 @@ class AdaptiveK:
         # beat the plain step's by the margin (K = 0: no drafts). Without a draft cost only K = max_k counts.
         alphas = {r: self.acceptance(keys[r]) for r in rooms}
         order = sorted(rooms, key=lambda r: -alphas[r])
-        base_cost = self._base_cost(num_base_tokens)
+        base_cost = self.costs(num_base_tokens)
         # what n more verification tokens cost the target, for every n a plan can reach
         most = min(max_spec_tokens, sum(min(room, self.max_k) for room in rooms.values()))
-        table = self.costs(num_base_tokens)
-        extra = [self.costs(num_base_tokens + n) - table for n in range(most + 1)]
+        extra = [self.costs(num_base_tokens + n) - base_cost for n in range(most + 1)]
 
         # expected accepted tokens count at the share the guard has seen drafting steps realize
         trust = self.guard.trust(num_base_tokens)
@@ -534,7 +514,8 @@ class AdaptiveK:
         if best is not None and self._prices_start(catch_up):
             tokens, cost, ks, _ = best
             saving = tokens / len(rooms) * base_cost - cost
-            if not self._repays_start(saving, catch_up([r for r, k in ks.items() if k]), len(rooms), num_base_tokens):
+            if not self._repays_start(saving, catch_up([r for r, k in ks.items() if k]), len(rooms), num_base_tokens,
+                                      base_cost):
                 best = None
         _, cost, ks, model_gain = best or plain
         return self._settle(ks, keys, model_gain, cost / base_cost)
@@ -543,11 +524,12 @@ class AdaptiveK:
         """Would drafts now start a spell whose catch-up is priced (`catch_up_share`)?"""
         return not self._spell and catch_up is not None and self.catch_up_share > 0
 
-    def _repays_start(self, saving: float, rows: float, num_sampled: int, num_base_tokens: int) -> bool:
+    def _repays_start(self, saving: float, rows: float, num_sampled: int, num_base_tokens: int,
+                      base_cost: float) -> bool:
         """Would drafts that save `saving` a step (cost units: the plain time of their expected tokens
         less their step's cost), starting a spell of `num_sampled` requests, repay the drafter's
         catch-up over `rows` positions within as many steps as such spells lasted?"""
-        start = self.costs(num_base_tokens + round(self.catch_up_share * rows)) - self.costs(num_base_tokens)
+        start = self.costs(num_base_tokens + round(self.catch_up_share * rows)) - base_cost
         return saving * self._horizon(batch_bucket(num_sampled)) > start
 
     def _horizon(self, bucket: int) -> float:

@@ -125,41 +125,6 @@ def test_paying_drafts_are_left_alone(clock):
     assert policy.guard.trust(1) > 0.6
 
 
-# measured at start-up on the 2-core AMD EPYC with AVX512-BF16 (the default model, bf16)
-BF16_TABLE = [(1, 1.0), (2, 1.09), (3, 1.09), (5, 1.09), (9, 1.19), (17, 1.51), (33, 2.0), (65, 3.61)]
-
-
-def test_a_measured_table_prices_the_plain_step_at_what_it_takes(clock):
-    """The CPU's table times forwards from an empty context. Deep into conversations a decode step also
-    reads every request's context, and a step does its host work; a drafting step pays both once too.
-    At 16 requests with plain steps at 4x the table's cost (as measured on later turns of ShareGPT
-    conversations), drafts the table alone prices out pay: priced against what recent plain steps took,
-    the policy drafts on (almost) every step and decodes ~1.3x faster, where before it stopped after its
-    first tries; where steps cost what the table says, it plans as before."""
-    t1 = 0.03  # the table's unit: a one-token forward, seconds
-
-    def run(measured: bool, context: float) -> tuple[float, int]:
-        policy = policy_with(BF16_TABLE, max_k=4)
-        policy.prior_of = lambda n: 0.55
-        policy.draft_cost = 0.07  # a head's draft step
-        policy.one_token_seconds = t1 if measured else None
-        fixed = context * policy.costs(16)  # what every step over these 16 requests pays beyond the table
-        accepted = []
-        observe = policy.observe
-        policy.observe = lambda key, k, a: (accepted.append(a), observe(key, k, a))
-        drafted = run_steps(policy, clock, 400, lambda b, d: t1 * (policy.costs(b + d) + fixed), 0.55,
-                            draft_seconds=lambda d: t1 * 0.07 * min(4, -(-d // 16)))
-        start = clock.now
-        clock.now = 0.0
-        return (400 * 16 + sum(accepted)) / start, sum(d > 0 for d in drafted)
-
-    plain, plain_drafting = run(False, 3.0)
-    priced, priced_drafting = run(True, 3.0)
-    assert plain_drafting < 100 and priced_drafting > 380
-    assert priced > 1.25 * plain
-    assert run(True, 0.0) == run(False, 0.0)  # steps as the table says: the same plans, the same time
-
-
 def test_a_proposer_that_does_not_report_steps_is_not_guarded():
     policy = policy_with(CPU_TABLE)
     assert not policy.guard.wants_probe(4) and policy.guard.trust(4) == 1.0
