@@ -25,7 +25,7 @@ from prompts import SHAREGPT, _member, iter_json_array  # noqa: E402
 from specserve.spec_decode import fuse_target_layers, train_data  # noqa: E402
 from specserve.spec_decode.eagle_head import load_head, shipped_head  # noqa: E402
 from specserve.spec_decode.train import build_head  # noqa: E402
-from specserve.spec_decode.train_eval import _served  # noqa: E402
+from specserve.spec_decode.train_eval import _served, chain_hits, every_start  # noqa: E402
 from specserve.spec_decode.train_target import TargetFeatures, load_target, regenerate  # noqa: E402
 
 
@@ -109,12 +109,14 @@ def main() -> None:
     if args.weights != "as-is":
         fake_quantize(head, args.weights)
 
-    convs = held_out(args.skip, args.conversations, args.turns)
     t0 = time.monotonic()
     cache = Path(args.regenerated) if args.regenerated else None
     if cache is not None and cache.is_file():
         answered = json.loads(cache.read_text())
+        num_convs = len(answered)  # the conversations asked are not known: as many as were answered
     else:
+        convs = held_out(args.skip, args.conversations, args.turns)
+        num_convs = len(convs)
         answered = regenerate(loaded.path, args.dtype, device, args.max_len, args.max_tokens, {"eval": convs},
                               lambda text: print(text, flush=True), args.turns)["eval"]
         if cache is not None:
@@ -128,9 +130,7 @@ def main() -> None:
     for seq in seqs:
         ids, hidden, argmax = features.greedy(seq)
         with torch.no_grad():
-            outputs = head.train_forward(ids, hidden, k)
-            hit = torch.stack([head.draft_vocab.to(device)[head.compute_logits(g).argmax(-1)] == argmax
-                               for g in outputs]).cpu().numpy()
+            hit = chain_hits(head, head.train_forward(ids, hidden, k), argmax)
         labels = seq.labels
         repeats = _repeats(ids.tolist())
         edges = np.flatnonzero(np.diff(np.concatenate([[0], labels.astype(np.int8), [0]])))
@@ -138,13 +138,11 @@ def main() -> None:
             only = np.zeros_like(labels)
             only[a:b] = True
             chains, accepted = _served(hit, only, k)
-            starts = max(0, int(b - a) - k + 1)  # every start whose k rows lie in the answer
-            reached = sum(int(np.all(hit[np.arange(d + 1), m + np.arange(d + 1)])) for m in range(a, a + starts)
-                          for d in range(k))
+            starts, reached = every_start(hit, only, k)
             row = per_turn[turn]
             row[0] += 1
             row[1], row[2] = row[1] + chains, row[2] + accepted
-            row[3], row[4] = row[3] + starts, row[4] + reached
+            row[3], row[4] = row[3] + starts, row[4] + int(reached.sum())
             row[5], row[6] = row[5] + int(b - a), row[6] + int(repeats[a:b].sum())
     rows = [{"turn": t + 1, "answers": n, "served_chains": c,
              "served_mean_acceptance_length": round(1 + acc / max(1, c), 4),
@@ -154,12 +152,12 @@ def main() -> None:
     result = {"command": " ".join(["python", *sys.argv]), "head": str(head_dir), "weights": args.weights,
               "target": loaded.path,
               "dtype": args.dtype, "device": args.device, "k": k, "max_tokens": args.max_tokens,
-              "conversations": len(convs), "regenerated": len(answered), "regenerate_s": round(regen_s, 1),
+              "conversations": num_convs, "regenerated": len(answered), "regenerate_s": round(regen_s, 1),
               "turns": rows}
     lines = [f"`{result['command']}`", "",
              f"head {head_dir} (weights {args.weights}), target {Path(loaded.path).name}, {args.dtype} on "
              f"{args.device}, k = {k}, answers of at "
-             f"most {args.max_tokens} tokens; {len(convs)} held-out conversations with {args.turns}+ answers, "
+             f"most {args.max_tokens} tokens; {num_convs} held-out conversations with {args.turns}+ answers, "
              f"{len(answered)} answered ({regen_s:.0f} s)", "",
              "| turn | answers | served mean acceptance length (chains) | every start (chains) | tokens repeating "
              f"a {REPEAT_N}-gram seen before |", "|---|---|---|---|---|"]

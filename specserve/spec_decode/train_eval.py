@@ -81,26 +81,41 @@ def acceptance(head: EagleHead, eval_set: EvalSet, depth: int,
     num_chains, reached = 0, torch.zeros(depth, dtype=torch.float64)
     served_chains, served_accepted = 0, 0
     for ids, hidden, target_argmax, labels in eval_set.items():
-        num_starts = ids.shape[0] - depth + 1
-        if num_starts <= 0:
+        if ids.shape[0] < depth:
             continue
         with autocast or contextlib.nullcontext():
             outputs = head.train_forward(ids, hidden, depth)
-        # hit[d, j]: at row j, depth d's draft is the target's token
-        hit = torch.stack([head.draft_vocab[head.compute_logits(g).argmax(dim=-1)] == target_argmax
-                           for g in outputs])
-        # chain from start m, step d: row m + d at depth d
-        match = torch.stack([hit[d, d:d + num_starts] for d in range(depth)])
-        valid = torch.stack([labels[d:d + num_starts] for d in range(depth)]).all(dim=0)
-        accepted = match[:, valid].long().cumprod(dim=0)  # [depth, chains]: 1 while every draft so far matched
-        num_chains += int(valid.sum())
-        reached += accepted.sum(dim=1).double().cpu()
-        chains, total = _served(hit.cpu().numpy(), labels.cpu().numpy(), depth)
+        hit = chain_hits(head, outputs, target_argmax)
+        labels = labels.cpu().numpy()
+        chains, accepted = every_start(hit, labels, depth)
+        num_chains += chains
+        reached += torch.from_numpy(accepted).double()
+        chains, total = _served(hit, labels, depth)
         served_chains += chains
         served_accepted += total
     head.train(was_training)
     per_position = (reached / max(1, num_chains)).tolist()
     return Acceptance(depth, num_chains, per_position, 1.0 + served_accepted / max(1, served_chains), served_chains)
+
+
+def chain_hits(head: EagleHead, outputs: list[torch.Tensor], target_argmax: torch.Tensor) -> np.ndarray:
+    """hit[d, j] [depth, N] bool: at row j, the head's depth-d draft (`outputs`: its training-time test
+    forward, one [N, h] per depth) is the target's token (`target_argmax` [N])."""
+    return torch.stack([head.draft_vocab[head.compute_logits(g).argmax(dim=-1)] == target_argmax
+                        for g in outputs]).cpu().numpy()
+
+
+def every_start(hit: np.ndarray, labels: np.ndarray, depth: int) -> tuple[int, np.ndarray]:
+    """(chains, drafts reached per position [depth]) of a chain started at every row m whose rows
+    m..m+depth-1 all predict assistant tokens (`labels`): step d of the chain from m is row m + d at
+    depth d, and position d counts the chains whose drafts up to d all matched."""
+    num_starts = hit.shape[1] - depth + 1
+    if num_starts <= 0:
+        return 0, np.zeros(depth, dtype=np.int64)
+    match = np.stack([hit[d, d:d + num_starts] for d in range(depth)])
+    valid = np.stack([labels[d:d + num_starts] for d in range(depth)]).all(axis=0)
+    accepted = np.cumprod(match[:, valid], axis=0)  # [depth, chains]: 1 while every draft so far matched
+    return int(valid.sum()), accepted.sum(axis=1)
 
 
 def _served(hit: np.ndarray, labels: np.ndarray, depth: int) -> tuple[int, int]:
