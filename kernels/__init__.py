@@ -21,6 +21,7 @@ if __name__ == "kernels":
 else:
     from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
     from specserve.kernels.attention_config import KernelConfig, select_configs
+    from specserve.kernels.int8_linear import int8_linear, ref_int8_linear
     from specserve.kernels.paged_attention import paged_attention, ref_paged_attention, warm_up_paged_attention
     from specserve.kernels.reshape_and_cache import ref_reshape_and_cache, reshape_and_cache
     from specserve.kernels.rms_norm import ref_rms_norm, rms_norm
@@ -28,7 +29,9 @@ else:
 
     __all__ = [
         "KernelConfig",
+        "int8_linear",
         "paged_attention",
+        "ref_int8_linear",
         "ref_paged_attention",
         "ref_reshape_and_cache",
         "ref_rms_norm",

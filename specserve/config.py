@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4")  # bitsandbytes: see quant/checkpoint.py
 LOAD_FORMATS = ("auto", "dummy")
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+HEAD_QUANTIZATIONS = (None, "int8")  # an EAGLE head's: weight-only int8 rows (specserve/quant/int8_linear.py)
 EAGLE_METHODS = ("eagle", "eagle3")  # eagle3: a head that fuses several of the target's layers
 # the cap on drafts per step when none is given: for an EAGLE head the chain depth the shipped head was
 # trained to (train-draft --ttt-depth 4) and every EAGLE benchmark's; 3 for the others
@@ -142,7 +143,14 @@ class SpecConfig:
             raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.quantization not in QUANTIZATIONS:
+        if self.method in EAGLE_METHODS:
+            if self.quantization not in HEAD_QUANTIZATIONS:
+                raise ValueError(f"an EAGLE head's quantization is int8 (weight-only, at load) or none, "
+                                 f"not {self.quantization!r}")
+        elif self.quantization == "int8":
+            raise ValueError("draft quantization int8 is for EAGLE heads; a draft model takes bitsandbytes, "
+                             "bitsandbytes-int8 or bitsandbytes-nf4")
+        elif self.quantization not in QUANTIZATIONS:
             raise ValueError(f"draft quantization {self.quantization!r} is not supported")
         if self.method == "draft_model":
             if is_self_draft(self.model):  # the target's own weights: self-nf4 -> quantization nf4

@@ -135,13 +135,18 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
         path = spec.model or shipped_head(target.path)
         head = load_head(path, dtype=target.dtype, device=device, max_positions=max_positions)
     head.attach(*target_weights(target, device, target.dtype))  # whole tensors, also under tensor parallelism
+    if spec.quantization == "int8":
+        head.use_int8_weights()
     if spec.method == "eagle3" and not head.aux_layers:
         raise ValueError(f"speculative method eagle3 needs a head that fuses several of the target's layers; "
                          f"{path} reads the last hidden state alone: use method eagle")
     fuse_target_layers(target, head.aux_layers, head.fuse_layers)
-    _price_drafter(policy, spec, target, head.num_params, head.draft_vocab_size * head.cfg.hidden_size)
-    logger.info("EAGLE head %s: %.1fM params, draft vocabulary %d, draft step ~%.3f target steps", path,
-                head.num_params / 1e6, head.draft_vocab_size, policy.draft_cost)
+    read = head.weight_bytes_per_param / target.dtype.itemsize  # a head weight's bytes in target weights
+    _price_drafter(policy, spec, target, round(head.num_params * read),
+                   round(head.draft_vocab_size * head.cfg.hidden_size * read))
+    logger.info("EAGLE head %s: %.1fM params%s, draft vocabulary %d, draft step ~%.3f target steps", path,
+                head.num_params / 1e6, " (int8 weights)" if head.int8_weights else "", head.draft_vocab_size,
+                policy.draft_cost)
     return EagleProposer(head, policy, identity=(str(path), str(target.dtype)),
                          num_speculative_tokens=spec.num_speculative_tokens,
                          max_num_batched_tokens=max_num_batched_tokens)

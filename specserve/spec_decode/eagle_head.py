@@ -85,7 +85,9 @@ class EagleHead(nn.Module):
         # the target's, set by `attach` (not parameters of the head: never saved, never trained)
         self.__dict__["_embed"] = None  # the target's embedding weight [V, h], set by attach
         self._lm_head: torch.Tensor | None = None  # [Vd, h]: the target's LM head rows of draft_vocab
-        self._packed_lm_head: nn.Module | None = None  # those rows for oneDNN (CPU inference: use_packed_linears)
+        # those rows as a layer: packed for oneDNN (CPU inference: use_packed_linears) or int8 (use_int8_weights)
+        self._lm_head_layer: nn.Module | None = None
+        self.int8_weights = False  # use_int8_weights
         self.backend: AttentionBackend | None = None  # set by the model executor
         self.graph_inputs = {"hidden_states": h}  # extra inputs a captured graph must hold (engine/cuda_graphs.py)
         # kept per KV slot by the head's executor (engine/executor.py): the target's hidden states,
@@ -165,14 +167,35 @@ class EagleHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """g [N, h] -> fp32 logits over the draft vocabulary [N, Vd] (row i = target id draft_vocab[i])."""
-        if self._packed_lm_head is not None:
-            return self._packed_lm_head(hidden).float()
+        if self._lm_head_layer is not None:
+            return self._lm_head_layer(hidden).float()
         return nn.functional.linear(hidden, self._lm_head).float()
 
     def use_packed_linears(self, pack: Callable[[torch.Tensor], nn.Module | None]) -> int:
         """The draft LM head's rows run packed (models/layers/cpu_linear.py); the tensor stays for training."""
-        self._packed_lm_head = pack(self._lm_head) if self._lm_head is not None else None
-        return int(self._packed_lm_head is not None)
+        if self._lm_head is None or self._lm_head_layer is not None:
+            return 0
+        self._lm_head_layer = pack(self._lm_head)
+        return int(self._lm_head_layer is not None)
+
+    def use_int8_weights(self) -> int:
+        """Weight-only int8 (quant/int8_linear.py) for every linear layer of the head (fuse, fc, the
+        decoder layer's) and the draft LM head's rows: a draft step reads about half the bytes. After
+        `attach`; inference only (the float rows are dropped). Returns how many layers changed."""
+        from specserve.quant.int8_linear import Int8Linear, quantize_linears
+
+        if self._lm_head is None:
+            raise RuntimeError("attach the EAGLE head to its target before quantizing it")
+        swapped = quantize_linears(self)
+        self._lm_head_layer = Int8Linear(self._lm_head)
+        self._lm_head = None
+        self.int8_weights = True
+        return swapped + 1
+
+    @property
+    def weight_bytes_per_param(self) -> float:
+        """Bytes a draft step reads per weight (int8 rows: one, their scales aside)."""
+        return 1.0 if self.int8_weights else self.dtype.itemsize
 
     # -- training --------------------------------------------------------------------------------
     def train_forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, depth: int,

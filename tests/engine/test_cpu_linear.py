@@ -92,7 +92,7 @@ def test_an_eagle_head_on_the_cpu_runs_packed(default_model_dir):
     llm = LLM(str(default_model_dir), dtype="float32",  # the shipped head
               speculative_config={"method": "eagle", "num_speculative_tokens": 3})
     head = next(ex.model for ex in llm.engine.runner.executors if isinstance(ex.model, EagleHead))
-    assert isinstance(head.fc, PackedLinear) and isinstance(head._packed_lm_head, PackedLinear)
+    assert isinstance(head.fc, PackedLinear) and isinstance(head._lm_head_layer, PackedLinear)
     assert head.dtype == torch.float32
     out = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=16, temperature=0))
     assert len(out[0].outputs[0].token_ids) > 0

@@ -507,16 +507,19 @@ def test_a_prefix_hit_drafts_as_without_the_cache(tiny_llama_dir, trained_head_d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("head", ["trained_head_dir", "fused_head_dir"])
-def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, request):
+@pytest.mark.parametrize("head,quantization", [("trained_head_dir", None), ("fused_head_dir", None),
+                                               ("fused_head_dir", "int8")])
+def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantization, request):
     """On a GPU (triton backend): the greedy chain replayed from one CUDA graph per (batch, k) drafts
     what the eager chain drafts, drafting on the device what the host path drafts (same acceptance,
     fp32), and output is the torch backend's; also with a head that fuses target layers (the
-    target's graphs return them). The head's steady catch-ups (1 + k rows, one more after a step
-    without drafts) replay its executor's graphs, captured for up to 2 + k tokens per request."""
+    target's graphs return them), and with its weights in int8 (the Triton kernel in the graphs).
+    The head's steady catch-ups (1 + k rows, one more after a step without drafts) replay its
+    executor's graphs, captured for up to 2 + k tokens per request."""
     prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
     args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
-                max_num_batched_tokens=64, speculative_config=eagle_config(request.getfixturevalue(head), 3))
+                max_num_batched_tokens=64,
+                speculative_config=eagle_config(request.getfixturevalue(head), 3, quantization=quantization))
     runs = {}
     backends = {"torch": dict(attention_backend="torch"), "eager": dict(attention_backend="triton", enforce_eager=True),
                 "graph": dict(attention_backend="triton"), "host": dict(attention_backend="triton")}
@@ -541,6 +544,39 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, request):
         assert chain is None or len(graphed) > len(catch_ups) / 2  # the rest: after prefills and gaps
     assert runs["graph"] == runs["eager"] == runs["host"]
     assert runs["graph"][0] == runs["torch"][0] and runs["graph"][2] > 0
+
+
+@pytest.mark.parametrize("head", ["trained_head_dir", "fused_head_dir"])
+def test_an_int8_head_keeps_the_output_and_drafts_nearly_as_well(tiny_llama_dir, head, request):
+    """quantization int8: every linear layer of the head and its draft LM head run as int8 rows (its
+    draft step priced by one byte a weight, not four, where not measured); greedy output is
+    the reference's (mixed batch, prefix hits) and the head still predicts the target's text."""
+    from specserve.quant.int8_linear import Int8Linear
+
+    head_dir = request.getfixturevalue(head)
+    runs = {}
+    for quantization in (None, "int8"):
+        llm, got = generate(tiny_llama_dir, "mixed", speculative_config=eagle_config(head_dir, 3,
+                                                                                     quantization=quantization))
+        assert got == reference(tiny_llama_dir, "mixed")
+        stats = llm.engine.stats()
+        runs[quantization] = (llm.engine.proposer, stats["spec_decode_num_accepted_tokens"] /
+                              stats["spec_decode_num_draft_tokens"])
+    (plain, plain_rate), (int8, int8_rate) = runs[None], runs["int8"]
+    linears = [m for m in int8.head.modules() if isinstance(m, (Int8Linear, torch.nn.Linear))]
+    assert linears and all(isinstance(m, Int8Linear) for m in linears)
+    assert isinstance(int8.head._lm_head_layer, Int8Linear) and int8.head.int8_weights
+    assert (plain.head.weight_bytes_per_param, int8.head.weight_bytes_per_param) == (4, 1)  # how it is priced
+    assert int8_rate > 0.3 and int8_rate > plain_rate - 0.1
+
+
+def test_int8_quantization_is_for_heads_only(tiny_llama_dir, trained_head_dir):
+    with pytest.raises(ValueError, match="int8 is for EAGLE heads"):
+        LLM(str(tiny_llama_dir), dtype="float32", device="cpu", speculative_config=dict(
+            method="draft_model", model=str(tiny_llama_dir), quantization="int8"))
+    with pytest.raises(ValueError, match="an EAGLE head's quantization is int8"):
+        LLM(str(tiny_llama_dir), dtype="float32", device="cpu",
+            speculative_config=eagle_config(trained_head_dir, 3, quantization="bitsandbytes-nf4"))
 
 
 def test_acceptance_is_real(tiny_llama_dir, trained_head_dir):

@@ -1,0 +1,82 @@
+"""The weight-only int8 linear kernel (kernels/int8_linear.py) against cuBLAS's bf16 GEMM on a draft
+head's layer shapes, at the row counts of draft steps.
+
+    python bench/int8_linear.py --out bench/results/int8_linear_gpu.json
+
+Shapes (default: Llama-3.1-8B's decoder layer, as an EAGLE head for it has one, its fc / fuse maps
+and a 32,768-row draft LM head). Each case times, in a CUDA graph of 20 calls (launch gaps left out),
+bf16 `nn.functional.linear` and the int8 kernel; achieved bandwidth = weight bytes / time;
+`config`: the tiles the kernel timed fastest for the case (its own tuning, on first use).
+Correctness: each case's int8 output against the fp32 oracle.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from specserve.kernels.int8_linear import _TUNED, int8_linear, ref_int8_linear, row_bucket
+from specserve.quant.int8_linear import quantize_int8_rows
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+H, MLP, V = 4096, 14336, 32768  # hidden, MLP, draft vocabulary (Llama-3.1-8B's head)
+SHAPES = {  # name: (N, K)
+    "qkv": (H + 2 * 1024, H), "o": (H, H), "gate_up": (2 * MLP, H), "down": (H, MLP), "fc": (H, 2 * H),
+    "fuse": (H, 3 * H), "lm_head": (V, H),
+}
+
+
+def timed(fn, reps: int = 20, rep_ms: int = 200) -> float:
+    """ms per call: `reps` calls in one captured graph, median of do_bench_cudagraph."""
+    def many():
+        for _ in range(reps):
+            fn()
+    return do_bench_cudagraph(many, rep=rep_ms) / reps
+
+
+def case(name: str, w: torch.Tensor, m: int) -> dict:
+    """One shape at m rows: the row of the results table."""
+    n, k = w.shape
+    q, s = quantize_int8_rows(w)
+    x = torch.randn(m, k, device=w.device, dtype=w.dtype)
+    ref = ref_int8_linear(x, q, s).float()
+    row = {"shape": name, "N": n, "K": k, "M": m,
+           "max_err": (int8_linear(x, q, s).float() - ref).abs().max().item(), "ref_max": ref.abs().max().item(),
+           "bf16_ms": timed(lambda: torch.nn.functional.linear(x, w)),
+           "int8_ms": timed(lambda: int8_linear(x, q, s))}
+    key = (row_bucket(m), n, k, x.dtype, False)
+    row["config"] = {name: v for name, v in _TUNED.get(key, {}).items() if name != "num_warps"}
+    row["bf16_gbps"] = round(n * k * 2 / row["bf16_ms"] / 1e6, 1)
+    row["int8_gbps"] = round(n * k / row["int8_ms"] / 1e6, 1)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16, 64])
+    ap.add_argument("--out", default=str(ROOT / "bench/results/int8_linear_gpu.json"))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        for m in args.rows:
+            row = case(name, w, m)
+            print(json.dumps(row), flush=True)
+            out["cases"].append(row)
+    total = {m: (sum(r["bf16_ms"] for r in out["cases"] if r["M"] == m and r["shape"] != "fuse"),
+                 sum(r["int8_ms"] for r in out["cases"] if r["M"] == m and r["shape"] != "fuse"))
+             for m in args.rows}
+    out["draft_step_ms"] = {m: {"bf16": round(b, 4), "int8": round(i, 4), "ratio": round(i / b, 3)}
+                            for m, (b, i) in total.items()}
+    print("a draft step's GEMMs (qkv, o, gate_up, down, fc, lm_head), ms:", json.dumps(out["draft_step_ms"]))
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

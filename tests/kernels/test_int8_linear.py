@@ -1,0 +1,65 @@
+"""The weight-only int8 linear kernel against its fp32 oracle (interpreter on the CPU: fp32 and fp16,
+whose dots the interpreter computes exactly as numpy does; bf16 on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.conftest import DEVICE
+
+from specserve.kernels.int8_linear import int8_linear, ref_int8_linear
+from specserve.quant.int8_linear import quantize_int8_rows
+
+ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
+
+
+def _check(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    q, s = quantize_int8_rows(w)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    q, s, x = q.to(DEVICE), s.to(DEVICE), x.to(DEVICE)
+    b = b.to(DEVICE) if b is not None else None
+    out = int8_linear(x, q, s, b)
+    ref = ref_int8_linear(x, q, s, b)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype] * (k / 64) ** 0.5, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 96, 64, False), (5, 100, 300, True), (20, 33, 512, False),
+                                        (70, 64, 130, True)])
+def test_int8_linear_matches_the_oracle(m, n, k, bias, dtype):
+    """Row counts below, at and past one tile, ragged N and K (masked tiles), with and without bias."""
+    _check(m, n, k, dtype, bias, seed=m * n + k)
+
+
+def test_quantize_int8_rows_round_trips_within_half_a_step():
+    w = torch.randn(17, 40)
+    w[3] = 0.0  # an all-zero row: scale 1, zeros
+    q, s = quantize_int8_rows(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s[3] == 1 and not q[3].any()
+    assert int(q.abs().max()) == 127
+    assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-7).all()
+
+
+def test_int8_linear_keeps_leading_dims_and_refuses_bad_weights():
+    q, s = quantize_int8_rows(torch.randn(8, 16))
+    x = torch.randn(2, 3, 16)
+    out = int8_linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE))
+    assert out.shape == (2, 3, 8)
+    torch.testing.assert_close(out.cpu(), ref_int8_linear(x, q, s), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="weight must be int8"):
+        int8_linear(x, q.float(), s)
+    with pytest.raises(ValueError, match="does not match"):
+        int8_linear(torch.randn(2, 15), q, s)
+    with pytest.raises(ValueError, match="scale must be fp32"):
+        int8_linear(x, q, s.half())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 200])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (32768, 4096), (1000, 576)])
+def test_gpu_int8_linear_bf16(m, n, k):
+    _check(m, n, k, torch.bfloat16, bias=False, seed=m + n)
