@@ -19,7 +19,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from specserve.kernels.int8_linear import _TUNED, int8_linear, ref_int8_linear, row_bucket
-from specserve.quant.int8_linear import quantize_int8_rows
+from specserve.quant.int8_rows import quantize_int8_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H, MLP, V = 4096, 14336, 32768  # hidden, MLP, draft vocabulary (Llama-3.1-8B's head)

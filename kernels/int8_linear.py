@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from specserve.quant.int8_linear import int8_linear_torch as ref_int8_linear  # noqa: F401 - the oracle
+from specserve.quant.int8_rows import int8_linear_torch as ref_int8_linear  # noqa: F401 - the oracle
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for any row count of a tile size

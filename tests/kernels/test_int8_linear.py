@@ -8,7 +8,7 @@ import torch
 from tests.kernels.conftest import DEVICE
 
 from specserve.kernels.int8_linear import int8_linear, ref_int8_linear
-from specserve.quant.int8_linear import quantize_int8_rows
+from specserve.quant.int8_rows import quantize_int8_rows
 
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
 
