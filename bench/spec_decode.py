@@ -212,8 +212,8 @@ def configs(args) -> list[tuple[str, dict | None]]:
             out.append(("eagle", dict(base, method="eagle", model=args.eagle)))
             if args.host_drafting:
                 out.append(("eagle host", out[-1][1]))
-            if args.eagle_int8:
-                out.append(("eagle int8", dict(base, method="eagle", model=args.eagle, quantization="int8")))
+            out += [(f"eagle {q}", dict(base, method="eagle", model=args.eagle, quantization=q))
+                    for q in args.eagle_quantization]
         return out
     out = [("none", None)]
     if args.eagle:  # a random head of the target's shape, accepting at the given rate per position
@@ -223,9 +223,7 @@ def configs(args) -> list[tuple[str, dict | None]]:
                                       simulated_acceptance=args.eagle_acceptance)))
         if args.host_drafting:
             out.append(("eagle sim host", out[-1][1]))
-        if args.eagle_int8:
-            out.append(("eagle sim int8", dict(base, method=method, load_format="dummy", quantization="int8",
-                                               simulated_acceptance=args.eagle_acceptance)))
+        out += [(f"eagle sim {q}", dict(out[1][1], quantization=q)) for q in args.eagle_quantization]
     if args.draft_model:
         draft = dict(base, method="draft_model", load_format="dummy")
         out.append(("draft=target", dict(draft, model=args.model)))
@@ -347,8 +345,9 @@ def main() -> int:
     ap.add_argument("--eagle-acceptance", type=float, nargs="+", default=[0.8],
                     help="dummy weights: the head's acceptance rate per draft position (BENCHMARK-ONLY replay)")
     ap.add_argument("--no-ngram", action="store_true", help="leave the n-gram setup out")
-    ap.add_argument("--eagle-int8", action="store_true",
-                    help="also run the EAGLE head with int8 weights (speculative_config quantization int8)")
+    ap.add_argument("--eagle-quantization", nargs="+", default=[], choices=["int8", "none"],
+                    help="also run the EAGLE head with these weights (speculative_config quantization; the "
+                         "default setup leaves it out)")
     ap.add_argument("--host-drafting", action="store_true",
                     help="also run EAGLE with the host path: verification read back before drafting (on CUDA "
                          "the engine drafts on the device, with one host wait per step)")

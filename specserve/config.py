@@ -18,7 +18,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4")  # bitsandbytes: see quant/checkpoint.py
 LOAD_FORMATS = ("auto", "dummy")
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-HEAD_QUANTIZATIONS = (None, "int8")  # an EAGLE head's: weight-only int8 rows (specserve/quant/int8_linear.py)
+# an EAGLE head's: weight-only int8 rows (specserve/quant/int8_linear.py), or as trained; None = by size
+# and device (spec_decode.head_quantization)
+HEAD_QUANTIZATIONS = (None, "int8", "none")
 EAGLE_METHODS = ("eagle", "eagle3")  # eagle3: a head that fuses several of the target's layers
 # the cap on drafts per step when none is given: for an EAGLE head the chain depth the shipped head was
 # trained to (train-draft --ttt-depth 4) and every EAGLE benchmark's; 3 for the others
@@ -145,11 +147,11 @@ class SpecConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.method in EAGLE_METHODS:
             if self.quantization not in HEAD_QUANTIZATIONS:
-                raise ValueError(f"an EAGLE head's quantization is int8 (weight-only, at load) or none, "
-                                 f"not {self.quantization!r}")
-        elif self.quantization == "int8":
-            raise ValueError("draft quantization int8 is for EAGLE heads; a draft model takes bitsandbytes, "
-                             "bitsandbytes-int8 or bitsandbytes-nf4")
+                raise ValueError(f"an EAGLE head's quantization is int8 (weight-only, at load) or none (as "
+                                 f"trained), not {self.quantization!r}")
+        elif self.quantization in ("int8", "none"):
+            raise ValueError(f"draft quantization {self.quantization} is for EAGLE heads; a draft model takes "
+                             "bitsandbytes, bitsandbytes-int8 or bitsandbytes-nf4 (or none: leave it out)")
         elif self.quantization not in QUANTIZATIONS:
             raise ValueError(f"draft quantization {self.quantization!r} is not supported")
         if self.method == "draft_model":

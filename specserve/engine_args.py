@@ -63,9 +63,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a draft model path, or self / self-int8 / self-nf4 (the target's weights)")
     s.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="the most drafts per request per step (default 4 for an EAGLE head, 3 otherwise)")
-    s.add_argument("--draft-quantization", choices=["bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4", "int8"],
-                   default=None, help="a draft model's bitsandbytes method, or int8 for an EAGLE head "
-                                      "(weight-only int8 rows, quantized at load)")
+    s.add_argument("--draft-quantization", choices=["bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4", "int8",
+                                                    "none"], default=None,
+                   help="a draft model's bitsandbytes method; for an EAGLE head int8 (weight-only int8 rows, "
+                        "quantized at load) or none (as trained); default on CUDA int8 for a head of 64 MiB or "
+                        "more, else none")
     s.add_argument("--draft-load-format", choices=LOAD_FORMATS, default=None)
 
 
