@@ -63,16 +63,16 @@ def _repeats(ids: list[int]) -> np.ndarray:
 
 
 @torch.no_grad()
-def fake_quantize(head, kind: str) -> None:
-    """Round each weight matrix of the head (its linear layers and the draft LM head's rows) per output
-    row to `kind` (symmetric int8, or fp8 e4m3) and back, in place."""
+def quantize(head, kind: str) -> None:
+    """int8: the head's weights as served with speculative_config quantization int8
+    (`EagleHead.use_int8_weights`); fp8: each weight matrix (the linear layers, the draft LM head's
+    rows) rounded per output row to e4m3 and back, in place (not served: an estimate)."""
+    if kind == "int8":
+        head.use_int8_weights()
+        return
     def rounded(w: torch.Tensor) -> torch.Tensor:
         w32 = w.float()
-        peak = w32.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-        if kind == "int8":
-            scale = peak / 127
-            return ((w32 / scale).round().clamp(-127, 127) * scale).to(w.dtype)
-        scale = peak / 448  # e4m3's largest finite value
+        scale = w32.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448  # e4m3's largest finite value
         return ((w32 / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
 
     for module in head.modules():
@@ -94,8 +94,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--weights", choices=["as-is", "int8", "fp8"], default="as-is",
-                    help="the head's weights (its layer, fc, fuse and draft LM head) rounded per output row "
-                    "to symmetric int8 or fp8 e4m3 and back: what a weight-only quantized head would draft")
+                    help="the head's weights (its layer, fc, fuse and draft LM head): int8 as served with "
+                    "speculative_config quantization int8, or fp8 e4m3 per output row (rounded and back: an estimate)")
     ap.add_argument("--regenerated", default=None,
                     help="a .json of the answered conversations: read if it exists, else written after answering")
     ap.add_argument("--out", default=None, help="a path without suffix: .json and .md are written")
@@ -107,7 +107,7 @@ def main() -> None:
     fuse_target_layers(loaded, saved.aux_layers)
     head = build_head(loaded, saved.draft_vocab, args.max_len, head_dir, device, 0, saved.aux_layers).eval()
     if args.weights != "as-is":
-        fake_quantize(head, args.weights)
+        quantize(head, args.weights)
 
     t0 = time.monotonic()
     cache = Path(args.regenerated) if args.regenerated else None
