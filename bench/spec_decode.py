@@ -335,7 +335,8 @@ def main() -> int:
                          "steps with and without speculation; 0: all after max_tokens)")
     ap.add_argument("--prompt-len", type=int, default=128, help="dummy weights: random prompt length")
     ap.add_argument("--max-prompt-len", type=int, default=256)
-    ap.add_argument("--num-speculative-tokens", type=int, default=8)
+    ap.add_argument("--num-speculative-tokens", type=int, default=None,
+                    help="the cap on drafts (default: the engine's for the method: 4 for EAGLE, 3 otherwise)")
     ap.add_argument("--prompt-lookup-max", type=int, default=8)
     ap.add_argument("--no-adaptive", action="store_true")
     ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")

@@ -66,8 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-quantization", choices=["bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4", "int8",
                                                     "none"], default=None,
                    help="a draft model's bitsandbytes method; for an EAGLE head int8 (weight-only int8 rows, "
-                        "quantized at load) or none (as trained); default on CUDA int8 for a head of 64 MiB or "
-                        "more, else none")
+                        "quantized at load; a CUDA kernel) or none (as trained, the default)")
     s.add_argument("--draft-load-format", choices=LOAD_FORMATS, default=None)
 
 

@@ -48,12 +48,13 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 rows"
 
 
-def quantize_linears(module: nn.Module) -> int:
-    """Swap every `nn.Linear` inside `module` for an Int8Linear of its weights; returns how many."""
+def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Swap every `nn.Linear` inside `module` for an Int8Linear of its weights, except those whose
+    qualified name starts with one of `skip`; returns how many."""
     swapped = 0
-    for parent in list(module.modules()):
+    for prefix, parent in list(module.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and not f"{prefix}.{name}".lstrip(".").startswith(skip):
                 setattr(parent, name, Int8Linear(child.weight, child.bias))
                 swapped += 1
     return swapped

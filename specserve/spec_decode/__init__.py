@@ -135,7 +135,7 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
         path = spec.model or shipped_head(target.path)
         head = load_head(path, dtype=target.dtype, device=device, max_positions=max_positions)
     head.attach(*target_weights(target, device, target.dtype))  # whole tensors, also under tensor parallelism
-    if head_quantization(spec.quantization, head, device) == "int8":
+    if spec.quantization == "int8":  # opt-in: BENCHMARKS.md (2026-12-05) has what it gains and loses
         head.use_int8_weights()
     if spec.method == "eagle3" and not head.aux_layers:
         raise ValueError(f"speculative method eagle3 needs a head that fuses several of the target's layers; "
@@ -150,21 +150,6 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
     return EagleProposer(head, policy, identity=(str(path), str(target.dtype), "int8" if head.int8_weights else ""),
                          num_speculative_tokens=spec.num_speculative_tokens,
                          max_num_batched_tokens=max_num_batched_tokens)
-
-
-# a head whose draft step reads at least this many bytes of weights (in its own dtype) runs its GEMMs
-# bandwidth bound on a GPU: int8 rows pay there (BENCHMARKS.md: 8B shapes); a smaller one's are
-# launch bound, and it stays as trained
-INT8_HEAD_MIN_BYTES = 64 << 20
-
-
-def head_quantization(asked: str | None, head, device: torch.device) -> str:
-    """An EAGLE head's weights: as asked ("int8", "none"), or by default int8 on CUDA for a head that
-    reads at least INT8_HEAD_MIN_BYTES a draft step, else none."""
-    if asked is not None:
-        return asked
-    large = head.num_params * head.dtype.itemsize >= INT8_HEAD_MIN_BYTES
-    return "int8" if device.type == "cuda" and large else "none"
 
 
 def fuse_target_layers(target: LoadedModel, aux_layers: tuple[int, ...],

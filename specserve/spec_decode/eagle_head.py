@@ -179,14 +179,16 @@ class EagleHead(nn.Module):
         return int(self._lm_head_layer is not None)
 
     def use_int8_weights(self) -> int:
-        """Weight-only int8 (quant/int8_linear.py) for every linear layer of the head (fuse, fc, the
-        decoder layer's) and the draft LM head's rows: a draft step reads about half the bytes. After
-        `attach`; inference only (the float rows are dropped). Returns how many layers changed."""
+        """Weight-only int8 (quant/int8_linear.py) for the linear layers a draft step runs (fc, the
+        decoder layer's) and the draft LM head's rows: a draft step reads about half the bytes. Not
+        `fuse`: the target's forward runs it over every row of every step, and at 64 rows and more the
+        int8 kernel is slower than the float GEMM (BENCHMARKS.md). After `attach`; inference only (the
+        float LM head rows are dropped). Returns how many layers changed."""
         from specserve.quant.int8_linear import Int8Linear, quantize_linears
 
         if self._lm_head is None:
             raise RuntimeError("attach the EAGLE head to its target before quantizing it")
-        swapped = quantize_linears(self)
+        swapped = quantize_linears(self, skip=("fuse",))
         self._lm_head_layer = Int8Linear(self._lm_head)
         self._lm_head = None
         self.int8_weights = True

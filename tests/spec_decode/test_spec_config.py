@@ -3,7 +3,6 @@ does not exist is refused at once, and ngram refuses a model it would ignore."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specserve.config import SpecConfig, engine_config_from_args
 
@@ -45,21 +44,10 @@ def test_the_cap_on_drafts_defaults_by_method(tiny_llama_dir):
         .spec.num_speculative_tokens == 5
 
 
-def test_an_eagle_heads_weights_default_to_int8_on_cuda_for_large_heads_only():
-    """quantization left out: int8 rows on CUDA for a head that reads >= 64 MiB a draft step (an 8B
-    target's: ~390M weights), as trained elsewhere (the default model's head: ~9M) and on the CPU;
-    asked for, as asked."""
-    from types import SimpleNamespace
-
-    from specserve.spec_decode import head_quantization
-
-    large = SimpleNamespace(num_params=390_000_000, dtype=torch.bfloat16)
-    small = SimpleNamespace(num_params=9_000_000, dtype=torch.bfloat16)
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert head_quantization(None, large, cuda) == "int8"
-    assert head_quantization(None, small, cuda) == "none"
-    assert head_quantization(None, large, cpu) == "none"
-    assert head_quantization("none", large, cuda) == "none"
-    assert head_quantization("int8", small, cpu) == "int8"
+def test_an_eagle_heads_quantization_is_int8_or_none():
+    assert SpecConfig(method="eagle", quantization="int8").quantization == "int8"
+    assert SpecConfig(method="eagle").quantization is None  # as trained
+    with pytest.raises(ValueError, match="an EAGLE head's quantization is int8"):
+        SpecConfig(method="eagle3", quantization="bitsandbytes-int8")
     with pytest.raises(ValueError, match="draft quantization none is for EAGLE heads"):
         SpecConfig(method="ngram", quantization="none")
