@@ -137,6 +137,9 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
     head.attach(*target_weights(target, device, target.dtype))  # whole tensors, also under tensor parallelism
     if spec.quantization == "int8":  # opt-in: BENCHMARKS.md (2026-12-05) has what it gains and loses
         head.use_int8_weights()
+        if device.type != "cuda":
+            logger.warning("the EAGLE head's int8 weights run without their kernel on %s (each weight widened "
+                           "every call): slower than the head as trained there", device.type)
     if spec.method == "eagle3" and not head.aux_layers:
         raise ValueError(f"speculative method eagle3 needs a head that fuses several of the target's layers; "
                          f"{path} reads the last hidden state alone: use method eagle")
