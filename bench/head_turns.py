@@ -64,11 +64,15 @@ def _repeats(ids: list[int]) -> np.ndarray:
 
 @torch.no_grad()
 def quantize(head, kind: str) -> None:
-    """int8: the head's weights as served with speculative_config quantization int8
-    (`EagleHead.use_int8_weights`); fp8: each weight matrix (the linear layers, the draft LM head's
-    rows) rounded per output row to e4m3 and back, in place (not served: an estimate)."""
+    """int8: the head's weights as a chain step reads them when served with speculative_config
+    quantization int8 (`EagleHead.use_int8_weights`, its int8 rows at any row count); fp8: each weight
+    matrix (the linear layers, the draft LM head's rows) rounded per output row to e4m3 and back, in
+    place (not served: an estimate)."""
     if kind == "int8":
         head.use_int8_weights()
+        for module in head.modules():  # the estimate's dense forward over whole answers: the int8 rows too,
+            if hasattr(module, "max_int8_rows"):  # as a chain step (a few rows) reads them when served
+                module.max_int8_rows = 1 << 62
         return
     def rounded(w: torch.Tensor) -> torch.Tensor:
         w32 = w.float()

@@ -144,9 +144,9 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
         raise ValueError(f"speculative method eagle3 needs a head that fuses several of the target's layers; "
                          f"{path} reads the last hidden state alone: use method eagle")
     fuse_target_layers(target, head.aux_layers, head.fuse_layers)
-    read = head.weight_bytes_per_param / target.dtype.itemsize  # a head weight's bytes in target weights
-    _price_drafter(policy, spec, target, round(head.num_params * read),
-                   round(head.draft_vocab_size * head.cfg.hidden_size * read))
+    # an int8 head is priced as the float one (what it reads past INT8_MAX_ROWS rows); on CUDA its chain's
+    # measured seconds price it where they are lower (EagleProposer.capture_graphs)
+    _price_drafter(policy, spec, target, head.num_params, head.draft_vocab_size * head.cfg.hidden_size)
     logger.info("EAGLE head %s: %.1fM params%s, draft vocabulary %d, draft step ~%.3f target steps", path,
                 head.num_params / 1e6, " (int8 weights)" if head.int8_weights else "", head.draft_vocab_size,
                 policy.draft_cost)

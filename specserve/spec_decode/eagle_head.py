@@ -180,10 +180,10 @@ class EagleHead(nn.Module):
 
     def use_int8_weights(self) -> int:
         """Weight-only int8 (quant/int8_linear.py) for the linear layers a draft step runs (fc, the
-        decoder layer's) and the draft LM head's rows: a draft step reads about half the bytes. Not
-        `fuse`: the target's forward runs it over every row of every step, and at 64 rows and more the
-        int8 kernel is slower than the float GEMM (BENCHMARKS.md). After `attach`; inference only (the
-        float LM head rows are dropped). Returns how many layers changed."""
+        decoder layer's) and the draft LM head's rows: a draft step over up to INT8_MAX_ROWS rows reads
+        about half the bytes; more rows read the float weights, kept beside. Not `fuse`: the target's
+        forward runs it over every row of every step. After `attach`; inference only. Returns how many
+        layers changed."""
         from specserve.quant.int8_linear import Int8Linear, quantize_linears
 
         if self._lm_head is None:
@@ -193,11 +193,6 @@ class EagleHead(nn.Module):
         self._lm_head = None
         self.int8_weights = True
         return swapped + 1
-
-    @property
-    def weight_bytes_per_param(self) -> float:
-        """Bytes a draft step reads per weight (int8 rows: one, their scales aside)."""
-        return 1.0 if self.int8_weights else self.dtype.itemsize
 
     # -- training --------------------------------------------------------------------------------
     def train_forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, depth: int,

@@ -63,3 +63,19 @@ def test_int8_linear_keeps_leading_dims_and_refuses_bad_weights():
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (32768, 4096), (1000, 576)])
 def test_gpu_int8_linear_bf16(m, n, k):
     _check(m, n, k, torch.bfloat16, bias=False, seed=m + n)
+
+
+def test_int8_layer_reads_int8_rows_up_to_its_row_limit_and_the_float_weights_past_it():
+    """Int8Linear: up to INT8_MAX_ROWS rows the int8 product (its PyTorch math off CUDA), past them the
+    float weights it keeps (where the kernel is slower)."""
+    from specserve.quant.int8_linear import INT8_MAX_ROWS, Int8Linear
+
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
+    layer = Int8Linear(w, b)
+    q, s = quantize_int8_rows(w)
+    small = torch.randn(INT8_MAX_ROWS, 40, generator=gen)
+    large = torch.randn(INT8_MAX_ROWS + 1, 40, generator=gen)
+    assert torch.equal(layer(small), ref_int8_linear(small, q, s, b))
+    assert torch.equal(layer(large), torch.nn.functional.linear(large, w, b))
+    assert not torch.allclose(layer(small), torch.nn.functional.linear(small, w, b), atol=1e-5, rtol=0)

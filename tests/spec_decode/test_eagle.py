@@ -549,8 +549,7 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
 @pytest.mark.parametrize("head", ["trained_head_dir", "fused_head_dir"])
 def test_an_int8_head_keeps_the_output_and_drafts_nearly_as_well(tiny_llama_dir, head, request):
     """quantization int8: the linear layers a draft step runs (not the fused feature's, which the
-    target's forward computes over every row) and the draft LM head run as int8 rows (its
-    draft step priced by one byte a weight, not four, where not measured); greedy output is
+    target's forward computes over every row) and the draft LM head run as int8 rows; greedy output is
     the reference's (mixed batch, prefix hits) and the head still predicts the target's text."""
     from specserve.quant.int8_linear import Int8Linear
 
@@ -563,12 +562,11 @@ def test_an_int8_head_keeps_the_output_and_drafts_nearly_as_well(tiny_llama_dir,
         stats = llm.engine.stats()
         runs[quantization] = (llm.engine.proposer, stats["spec_decode_num_accepted_tokens"] /
                               stats["spec_decode_num_draft_tokens"])
-    (plain, plain_rate), (int8, int8_rate) = runs[None], runs["int8"]
+    (_, plain_rate), (int8, int8_rate) = runs[None], runs["int8"]
     linears = {name: m for name, m in int8.head.named_modules() if isinstance(m, (Int8Linear, torch.nn.Linear))}
     assert linears and all(isinstance(m, Int8Linear) != name.startswith("fuse") for name, m in linears.items())
     assert ("fuse" in linears) == (head == "fused_head_dir")  # the fused feature stays a float GEMM
     assert isinstance(int8.head._lm_head_layer, Int8Linear) and int8.head.int8_weights
-    assert (plain.head.weight_bytes_per_param, int8.head.weight_bytes_per_param) == (4, 1)  # how it is priced
     assert int8_rate > 0.3 and int8_rate > plain_rate - 0.1
 
 
