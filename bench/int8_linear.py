@@ -18,7 +18,7 @@ import pathlib
 import torch
 from triton.testing import do_bench_cudagraph
 
-from specserve.kernels.int8_linear import _TUNED, int8_linear, ref_int8_linear, row_bucket
+from specserve.kernels.int8_linear import int8_linear, ref_int8_linear, timed_config
 from specserve.quant.int8_rows import quantize_int8_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -47,8 +47,7 @@ def case(name: str, w: torch.Tensor, m: int) -> dict:
            "max_err": (int8_linear(x, q, s).float() - ref).abs().max().item(), "ref_max": ref.abs().max().item(),
            "bf16_ms": timed(lambda: torch.nn.functional.linear(x, w)),
            "int8_ms": timed(lambda: int8_linear(x, q, s))}
-    key = (row_bucket(m), n, k, x.dtype, False)
-    row["config"] = {name: v for name, v in _TUNED.get(key, {}).items() if name != "num_warps"}
+    row["config"] = {name: v for name, v in (timed_config(m, n, k, x.dtype) or {}).items() if name != "num_warps"}
     row["bf16_gbps"] = round(n * k * 2 / row["bf16_ms"] / 1e6, 1)
     row["int8_gbps"] = round(n * k / row["int8_ms"] / 1e6, 1)
     return row

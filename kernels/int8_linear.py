@@ -74,12 +74,21 @@ def _launch(x2, weight, scale, bias, out, cfg: dict) -> None:
         INPUT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", **cfg)
 
 
+def _tuning_key(m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool) -> tuple:
+    return row_bucket(m), n, k, dtype, has_bias
+
+
+def timed_config(m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool = False) -> dict | None:
+    """The tiles the first-use timing chose for this shape class, None before it ran."""
+    return _TUNED.get(_tuning_key(m, n, k, dtype, has_bias))
+
+
 def _tuned_config(x2, weight, scale, bias, out) -> dict:
     """The fastest of CANDIDATES for this shape class, timed on first use (a few ms a candidate,
     plus its compile the first time on a machine; Triton caches those on disk). While a CUDA graph
     is being captured nothing can be timed: an untimed class takes the first candidate."""
     m, (n, k) = x2.shape[0], weight.shape
-    key = (row_bucket(m), n, k, x2.dtype, bias is not None)
+    key = _tuning_key(m, n, k, x2.dtype, bias is not None)
     if key in _TUNED:
         return _TUNED[key]
     if torch.cuda.is_current_stream_capturing():

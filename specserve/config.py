@@ -148,7 +148,7 @@ class SpecConfig:
             if self.quantization not in HEAD_QUANTIZATIONS:
                 raise ValueError(f"an EAGLE head's quantization is int8 (weight-only, at load) or none (as "
                                  f"trained), not {self.quantization!r}")
-        elif self.quantization in ("int8", "none"):
+        elif self.quantization is not None and self.quantization in HEAD_QUANTIZATIONS:
             raise ValueError(f"draft quantization {self.quantization} is for EAGLE heads; a draft model takes "
                              "bitsandbytes, bitsandbytes-int8 or bitsandbytes-nf4 (or none: leave it out)")
         elif self.quantization not in QUANTIZATIONS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from specserve.config import DTYPES, LOAD_FORMATS
+from specserve.config import DTYPES, HEAD_QUANTIZATIONS, LOAD_FORMATS, QUANTIZATIONS
 from specserve.utils import parse_size
 
 
@@ -63,8 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a draft model path, or self / self-int8 / self-nf4 (the target's weights)")
     s.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="the most drafts per request per step (default 4 for an EAGLE head, 3 otherwise)")
-    s.add_argument("--draft-quantization", choices=["bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4", "int8",
-                                                    "none"], default=None,
+    s.add_argument("--draft-quantization", choices=[q for q in QUANTIZATIONS + HEAD_QUANTIZATIONS if q], default=None,
                    help="a draft model's bitsandbytes method; for an EAGLE head int8 (weight-only int8 rows, "
                         "quantized at load; a CUDA kernel) or none (as trained, the default)")
     s.add_argument("--draft-load-format", choices=LOAD_FORMATS, default=None)

@@ -173,7 +173,7 @@ class EagleHead(nn.Module):
 
     def use_packed_linears(self, pack: Callable[[torch.Tensor], nn.Module | None]) -> int:
         """The draft LM head's rows run packed (models/layers/cpu_linear.py); the tensor stays for training."""
-        if self._lm_head is None or self._lm_head_layer is not None:
+        if self._lm_head is None:  # an int8 head's rows are in its own layer (use_int8_weights)
             return 0
         self._lm_head_layer = pack(self._lm_head)
         return int(self._lm_head_layer is not None)
