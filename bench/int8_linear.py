@@ -5,7 +5,9 @@ head's layer shapes, at the row counts of draft steps.
 
 Shapes (default: Llama-3.1-8B's decoder layer, as an EAGLE head for it has one, its fc / fuse maps
 and a 32,768-row draft LM head). Each case times, in a CUDA graph of 20 calls (launch gaps left out),
-bf16 `nn.functional.linear` and the int8 kernel; achieved bandwidth = weight bytes / time;
+bf16 `nn.functional.linear` and the int8 kernel, the calls cycling over copies of the weights that
+together exceed the GPU's L2 cache (as a draft step's layers, each read once, do: `--l2-mb`);
+achieved bandwidth = weight bytes / time;
 `config`: the tiles the kernel timed fastest for the case (its own tuning, on first use).
 Correctness: each case's int8 output against the fp32 oracle.
 """
@@ -37,16 +39,32 @@ def timed(fn, reps: int = 20, rep_ms: int = 200) -> float:
     return do_bench_cudagraph(many, rep=rep_ms) / reps
 
 
-def case(name: str, w: torch.Tensor, m: int) -> dict:
+def copies(t: torch.Tensor, l2_bytes: int) -> list[torch.Tensor]:
+    """t and copies of it, together at least twice `l2_bytes`: cycled over, no call finds its weights in L2."""
+    return [t] + [t.clone() for _ in range(-(-2 * l2_bytes // (t.numel() * t.element_size())) - 1)]
+
+
+def cycled(fn, weights: list) -> callable:
+    """fn(w) on the next of `weights` each call."""
+    turn = [0]
+
+    def call():
+        turn[0] = (turn[0] + 1) % len(weights)
+        return fn(weights[turn[0]])
+    return call
+
+
+def case(name: str, w: torch.Tensor, m: int, l2_bytes: int) -> dict:
     """One shape at m rows: the row of the results table."""
     n, k = w.shape
     q, s = quantize_int8_rows(w)
     x = torch.randn(m, k, device=w.device, dtype=w.dtype)
     ref = ref_int8_linear(x, q, s).float()
+    ws, qs = copies(w, l2_bytes), copies(q, l2_bytes)
     row = {"shape": name, "N": n, "K": k, "M": m,
            "max_err": (int8_linear(x, q, s).float() - ref).abs().max().item(), "ref_max": ref.abs().max().item(),
-           "bf16_ms": timed(lambda: torch.nn.functional.linear(x, w)),
-           "int8_ms": timed(lambda: int8_linear(x, q, s))}
+           "bf16_ms": timed(cycled(lambda w_: torch.nn.functional.linear(x, w_), ws)),
+           "int8_ms": timed(cycled(lambda q_: int8_linear(x, q_, s), qs))}
     row["config"] = {name: v for name, v in (timed_config(m, n, k, x.dtype) or {}).items() if name != "num_warps"}
     row["bf16_gbps"] = round(n * k * 2 / row["bf16_ms"] / 1e6, 1)
     row["int8_gbps"] = round(n * k / row["int8_ms"] / 1e6, 1)
@@ -57,14 +75,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16, 64])
     ap.add_argument("--out", default=str(ROOT / "bench/results/int8_linear_gpu.json"))
+    ap.add_argument("--l2-mb", type=float, default=50, help="the GPU's L2 cache (H100 / H200: 50 MB); 0 = one "
+                    "copy of the weights, which a small layer's calls then find in L2")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "l2_mb": args.l2_mb, "cases": []}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         for m in args.rows:
-            row = case(name, w, m)
+            row = case(name, w, m, int(args.l2_mb * 2**20))
             print(json.dumps(row), flush=True)
             out["cases"].append(row)
     total = {m: (sum(r["bf16_ms"] for r in out["cases"] if r["M"] == m and r["shape"] != "fuse"),

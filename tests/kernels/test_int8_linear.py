@@ -7,13 +7,13 @@ import torch
 
 from tests.kernels.conftest import DEVICE
 
-from specserve.kernels.int8_linear import int8_linear, ref_int8_linear
+from specserve.kernels.int8_linear import CANDIDATES, int8_linear, int8_linear_config, ref_int8_linear
 from specserve.quant.int8_rows import quantize_int8_rows
 
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
 
 
-def _check(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int) -> None:
+def _check(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int, config: dict | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen)
     q, s = quantize_int8_rows(w)
@@ -21,7 +21,7 @@ def _check(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int) ->
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     q, s, x = q.to(DEVICE), s.to(DEVICE), x.to(DEVICE)
     b = b.to(DEVICE) if b is not None else None
-    out = int8_linear(x, q, s, b)
+    out = int8_linear(x, q, s, b, config=config)
     ref = ref_int8_linear(x, q, s, b)
     assert out.dtype == dtype and out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype] * (k / 64) ** 0.5, rtol=1e-2)
@@ -33,6 +33,14 @@ def _check(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int) ->
 def test_int8_linear_matches_the_oracle(m, n, k, bias, dtype):
     """Row counts below, at and past one tile, ragged N and K (masked tiles), with and without bias."""
     _check(m, n, k, dtype, bias, seed=m * n + k)
+
+
+@pytest.mark.parametrize("candidate", [c for c in CANDIDATES if c[3] > 1])
+@pytest.mark.parametrize("m,n,k,bias", [(3, 72, 1000, True), (16, 40, 300, False)])
+def test_int8_linear_split_over_k_matches_the_oracle(m, n, k, bias, candidate):
+    """Each split-over-K tiling: K ranges that end mid-tile, splits left with no K at all (300 over 8
+    splits of 256), the partial sums' reduction with the bias."""
+    _check(m, n, k, torch.float32, bias, seed=k + candidate[3], config=int8_linear_config(m, candidate))
 
 
 def test_quantize_int8_rows_round_trips_within_half_a_step():
