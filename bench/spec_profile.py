@@ -277,6 +277,8 @@ def main() -> int:
     ap.add_argument("--trace-steps", type=int, default=40)
     ap.add_argument("--fine", action="store_true", help="time more phases (no profiler)")
     ap.add_argument("--no-cprofile", action="store_true", help="skip the cProfile runs")
+    ap.add_argument("--eagle-quantization", choices=["int8", "none"], default=None,
+                    help="the head's weights (speculative_config's quantization; default: as trained)")
     args = ap.parse_args()
     method = "eagle3" if args.load_format == "dummy" and args.eagle == "dummy3" else "eagle"
     spec = {"method": method, "model": args.eagle, "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive}
@@ -284,6 +286,8 @@ def main() -> int:
         spec.update(load_format="dummy", simulated_acceptance=args.eagle_acceptance or [0.8])
     elif args.eagle_acceptance:
         spec.update(simulated_acceptance=args.eagle_acceptance)
+    if args.eagle_quantization:
+        spec["quantization"] = args.eagle_quantization
     results = {"args": vars(args), "host_probe_ms": host_probe(), "levels": []}
     if args.both_policies:  # "eagle" adaptive, "eagle_forced" with k = args.k always
         engines = {"none": build(args, None), "eagle": build(args, {**spec, "adaptive": True}),

@@ -31,8 +31,9 @@ def _check(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int, co
 @pytest.mark.parametrize("m,n,k,bias", [(1, 96, 64, False), (5, 100, 300, True), (20, 33, 512, False),
                                         (70, 64, 130, True)])
 def test_int8_linear_matches_the_oracle(m, n, k, bias, dtype):
-    """Row counts below, at and past one tile, ragged N and K (masked tiles), with and without bias."""
-    _check(m, n, k, dtype, bias, seed=m * n + k)
+    """Row counts below, at and past one tile, ragged N and K (masked tiles), with and without bias
+    (the first candidate's tiles, on a GPU too: timing every candidate is the bf16 test's)."""
+    _check(m, n, k, dtype, bias, seed=m * n + k, config=int8_linear_config(m))
 
 
 @pytest.mark.parametrize("candidate", [c for c in CANDIDATES if c[3] > 1])
@@ -70,6 +71,7 @@ def test_int8_linear_keeps_leading_dims_and_refuses_bad_weights():
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 200])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (32768, 4096), (1000, 576)])
 def test_gpu_int8_linear_bf16(m, n, k):
+    """The tiles the first-use timing picks for each row bucket (every candidate compiled and timed)."""
     _check(m, n, k, torch.bfloat16, bias=False, seed=m + n)
 
 
