@@ -18,7 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "bitsandbytes", "bitsandbytes-int8", "bitsandbytes-nf4")  # bitsandbytes: see quant/checkpoint.py
 LOAD_FORMATS = ("auto", "dummy")
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-# an EAGLE head's: weight-only int8 rows (specserve/quant/int8_linear.py), or as trained (none, the default)
+# an EAGLE head's: weight-only int8 rows (specserve/quant/int8_linear.py), or as trained (none); left
+# out (None), by the head's size and the device (spec_decode.head_quantization)
 HEAD_QUANTIZATIONS = (None, "int8", "none")
 EAGLE_METHODS = ("eagle", "eagle3")  # eagle3: a head that fuses several of the target's layers
 # the cap on drafts per step when none is given: for an EAGLE head the chain depth the shipped head was

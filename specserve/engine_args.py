@@ -65,7 +65,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the most drafts per request per step (default 4 for an EAGLE head, 3 otherwise)")
     s.add_argument("--draft-quantization", choices=[q for q in QUANTIZATIONS + HEAD_QUANTIZATIONS if q], default=None,
                    help="a draft model's bitsandbytes method; for an EAGLE head int8 (weight-only int8 rows, "
-                        "quantized at load; a CUDA kernel) or none (as trained, the default)")
+                        "quantized at load; a CUDA kernel) or none (as trained); default for a head: int8 on CUDA "
+                        "when a draft step reads 64 MiB or more, else none")
     s.add_argument("--draft-load-format", choices=LOAD_FORMATS, default=None)
 
 

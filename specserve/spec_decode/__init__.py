@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from specserve.models.loader import LoadedModel
 from specserve.spec_decode.adaptive import AdaptiveK
 from specserve.spec_decode.proposer import DraftStep, Proposer, ProposerBinding
 from specserve.spec_decode.rejection import RejectionSampler
+
+if TYPE_CHECKING:
+    from specserve.spec_decode.eagle_head import EagleHead
 
 __all__ = ["AdaptiveK", "DraftStep", "Proposer", "ProposerBinding", "RejectionSampler", "build_proposer",
            "check_same_vocab", "default_compute_bound_tokens"]
@@ -135,7 +139,7 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
         path = spec.model or shipped_head(target.path)
         head = load_head(path, dtype=target.dtype, device=device, max_positions=max_positions)
     head.attach(*target_weights(target, device, target.dtype))  # whole tensors, also under tensor parallelism
-    if spec.quantization == "int8":  # opt-in: BENCHMARKS.md (2026-12-05) has what it gains and loses
+    if head_quantization(spec.quantization, head, device) == "int8":
         head.use_int8_weights()
         if device.type != "cuda":
             logger.warning("the EAGLE head's int8 weights run without their kernel on %s (each weight widened "
@@ -153,6 +157,21 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
     return EagleProposer(head, policy, identity=(str(path), str(target.dtype), "int8" if head.int8_weights else ""),
                          num_speculative_tokens=spec.num_speculative_tokens,
                          max_num_batched_tokens=max_num_batched_tokens)
+
+
+# a head whose draft step reads at least this many bytes of weights (in its own dtype) runs its GEMMs
+# bandwidth bound on a GPU, where int8 rows pay (BENCHMARKS.md, 2026-12-05: 8B shapes, ~200 MB of bf16
+# a draft step); a small one's (the default model's, 18 MB) are launch bound and it stays as trained
+INT8_HEAD_MIN_BYTES = 64 << 20
+
+
+def head_quantization(asked: str | None, head: EagleHead, device: torch.device) -> str:
+    """An EAGLE head's weights: as asked ("int8", "none"), or by default int8 on CUDA for a head whose
+    draft step reads at least INT8_HEAD_MIN_BYTES, else none (as trained)."""
+    if asked is not None:
+        return asked
+    large = head.num_params * head.dtype.itemsize >= INT8_HEAD_MIN_BYTES
+    return "int8" if device.type == "cuda" and large else "none"
 
 
 def fuse_target_layers(target: LoadedModel, aux_layers: tuple[int, ...],

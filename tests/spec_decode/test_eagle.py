@@ -579,6 +579,27 @@ def test_int8_quantization_is_for_heads_only(tiny_llama_dir, trained_head_dir):
             speculative_config=eagle_config(trained_head_dir, 3, quantization="bitsandbytes-nf4"))
 
 
+def test_a_heads_weights_default_to_int8_on_cuda_where_a_draft_step_reads_enough(trained_head_dir, monkeypatch):
+    """quantization left out: int8 on CUDA for a head whose draft step reads INT8_HEAD_MIN_BYTES or more,
+    else as trained; asked for, as asked. The shipped head (the default model's) stays as trained in bf16."""
+    import specserve.spec_decode as sd
+    from specserve.spec_decode.eagle_head import HEADS_DIR
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    head = load_head(trained_head_dir, dtype=torch.float32, device=cpu, max_positions=64)
+    size = head.num_params * 4
+    monkeypatch.setattr(sd, "INT8_HEAD_MIN_BYTES", size)
+    assert sd.head_quantization(None, head, cuda) == "int8"
+    assert sd.head_quantization(None, head, cpu) == "none"
+    assert sd.head_quantization("none", head, cuda) == "none"
+    assert sd.head_quantization("int8", head, cpu) == "int8"
+    monkeypatch.setattr(sd, "INT8_HEAD_MIN_BYTES", size + 1)
+    assert sd.head_quantization(None, head, cuda) == "none"
+    monkeypatch.undo()
+    shipped = load_head(HEADS_DIR / "SmolLM2-135M-Instruct", dtype=torch.bfloat16, device=cpu, max_positions=64)
+    assert sd.head_quantization(None, shipped, cuda) == "none"
+
+
 def test_acceptance_is_real(tiny_llama_dir, trained_head_dir):
     """The trained head predicts the target's text: most drafts are accepted (a random head: almost none)."""
     llm, _ = generate(tiny_llama_dir, "mixed", speculative_config=eagle_config(trained_head_dir, 3))
