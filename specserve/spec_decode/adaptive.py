@@ -11,6 +11,8 @@ bf16 the verification shapes k implies can flip near-ties: docs/speculative.md, 
 - each autoregressive draft-model step costs `draft_cost` target steps (0 for n-gram lookup), or,
   when its device time is known (`draft_seconds`: an EAGLE chain's graph), that time over the plain
   step's measured one (a target whose host sets the pace takes longer per step than its device time);
+  where the chain's graphs were timed at several batch sizes (`draft_scale`), both are scaled to the
+  batch that drafts: a chain over 64 requests costs more than one over one;
 - request r accepts a draft (given the previous one was accepted) with probability alpha_r,
   estimated from verifications (decayed counts plus a prior) under a key the proposer chooses:
   per request for a draft model or an EAGLE head, whose prior is then the acceptance of all
@@ -74,6 +76,8 @@ class AdaptiveK:
         self.measure_draft_cost = False  # ... and the draft model's step cost
         self.draft_cost = draft_cost
         self.draft_seconds: float | None = None  # a draft step's device seconds, where measured
+        # (batch, a draft step's seconds at that batch over one request's), ascending: measured chains
+        self.draft_scale: tuple[tuple[int, float], ...] = ()
         self.prior, self.prior_weight = prior, prior_weight
         # a prior per key (n-gram: by match length), and the best prior any key can have
         self.prior_of: Callable[[Hashable], float] = lambda key: prior
@@ -359,7 +363,7 @@ class AdaptiveK:
             self.guard.tick()
             return
         if num_draft_tokens:
-            self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, seconds)
+            self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, num_sampled, seconds)
             # the guard's trust is for what the cost model, with the overhead learned since the plan,
             # does not explain: the overhead alone prices a drafting step's extra time
             cost_ratio += (self.step_overhead - plan_overhead) / base_cost
@@ -395,12 +399,13 @@ class AdaptiveK:
         self._spell = 0
 
     def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
-                        seconds: float) -> None:
+                        num_sampled: int, seconds: float) -> None:
         """A drafting step took `seconds`: what the model misses of it goes into `step_overhead`."""
         unit = self.guard.plain_unit(num_base_tokens)
         if unit is None:
             return
-        modelled = self.costs(num_base_tokens + num_draft_tokens) + num_draft_steps * self._draft_cost(num_base_tokens)
+        modelled = (self.costs(num_base_tokens + num_draft_tokens)
+                    + num_draft_steps * self._draft_cost(num_base_tokens, num_sampled))
         sample = min(max(seconds / unit - modelled, 0.0), 3.0 * self.costs(num_base_tokens))
         self.step_overhead = 0.8 * self.step_overhead + 0.2 * sample
 
@@ -426,7 +431,7 @@ class AdaptiveK:
             gain += trust * best ** k
             # one request drafting k, or all of them (the draft steps' cost is shared)
             for num in {1, num_sampled}:
-                extra = self._extra_cost(num_base_tokens, num * k, k)
+                extra = self._extra_cost(num_base_tokens, num * k, k, num)
                 if num * gain * base > (1 + margin) * num_sampled * extra:
                     if not priced:
                         return True
@@ -436,20 +441,29 @@ class AdaptiveK:
                         return True
         return False
 
-    def _extra_cost(self, num_base_tokens: int, num_spec: int, num_draft_steps: int) -> float:
-        """What `num_spec` drafts (and `num_draft_steps` draft-model steps) add to a step over
-        `num_base_tokens` tokens."""
+    def _extra_cost(self, num_base_tokens: int, num_spec: int, num_draft_steps: int, num_drafting: int) -> float:
+        """What `num_spec` drafts of `num_drafting` requests (and `num_draft_steps` draft-model steps)
+        add to a step over `num_base_tokens` tokens."""
         target = self.costs(num_base_tokens + num_spec) - self.costs(num_base_tokens)
-        return target + num_draft_steps * self._draft_cost(num_base_tokens) + self.step_overhead
+        return target + num_draft_steps * self._draft_cost(num_base_tokens, num_drafting) + self.step_overhead
 
-    def _draft_cost(self, num_base_tokens: int) -> float:
-        """What one draft step adds to a step over `num_base_tokens` tokens, in plain-step units: its
-        device seconds against the guard's recent plain-step time where both are known, at most
-        `draft_cost` (the device-time ratio: where the host sets the pace, a plain step takes longer
-        than its device time, and a draft step queued behind the verification adds little more than
-        its own device time)."""
+    def _draft_cost(self, num_base_tokens: int, num_drafting: int = 1) -> float:
+        """What one draft step of `num_drafting` requests adds to a step over `num_base_tokens` tokens,
+        in plain-step units: its device seconds against the guard's recent plain-step time where both
+        are known, at most `draft_cost` (the device-time ratio: where the host sets the pace, a plain
+        step takes longer than its device time, and a draft step queued behind the verification adds
+        little more than its own device time); both scaled to the drafting batch (`draft_scale`)."""
         unit = self.guard.plain_unit(num_base_tokens) if self.draft_seconds is not None else None
-        return min(self.draft_cost, self.draft_seconds / unit) if unit else self.draft_cost
+        cost = min(self.draft_cost, self.draft_seconds / unit) if unit else self.draft_cost
+        return cost * self._batch_scale(num_drafting)
+
+    def _batch_scale(self, num_drafting: int) -> float:
+        """A draft step's cost at `num_drafting` requests over one request's: that of the smallest
+        timed batch that holds them (the chain runs padded to it), the largest's past it, 1 untimed."""
+        for batch, scale in self.draft_scale:
+            if batch >= num_drafting:
+                return scale
+        return self.draft_scale[-1][1] if self.draft_scale else 1.0
 
     def plan(self, rooms: dict[str, int], num_base_tokens: int, max_spec_tokens: int,
              keys: dict[str, Hashable] | None = None,
@@ -501,7 +515,7 @@ class AdaptiveK:
         margin = self._margin(len(rooms))
         plain = (float(len(rooms)), base_cost, ks, 0.0)  # (tokens, cost, ks, gain the model predicts)
         best = None
-        draft_cost = self._draft_cost(num_base_tokens)
+        draft_cost = self._draft_cost(num_base_tokens, len(rooms))
         for max_steps in (range(1, self.max_k + 1) if draft_cost else (self.max_k,)):
             plan = self._plan_with(order, alphas, rooms, extra, max_spec_tokens, max_steps, trust, base_cost,
                                    margin, draft_cost)

@@ -60,6 +60,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def draft_scale(seconds: dict[int, float]) -> tuple[tuple[int, float], ...]:
+    """(batch, a draft step's seconds there over one request's) from timed chains, ascending and never
+    falling as the batch grows (a larger batch's chain does not cost less: a lower time is noise)."""
+    scale, out = 1.0, []
+    for batch in sorted(seconds):
+        scale = max(scale, seconds[batch] / seconds[min(seconds)])
+        out.append((batch, scale))
+    return tuple(out)
+
+
 class EagleProposer:
     def __init__(self, head: EagleHead, policy: AdaptiveK, *, identity: tuple, num_speculative_tokens: int,
                  max_num_batched_tokens: int) -> None:
@@ -107,13 +117,17 @@ class EagleProposer:
             # one-request decode graph (the head's share of the parameters overrates it where the
             # host, not the device, sets the pace: each graph is one launch), and its seconds, which
             # the policy prices against the plain step's measured time once it has one; not under
-            # tensor parallelism (the target's graphs replay on every rank together)
+            # tensor parallelism (the target's graphs replay on every rank together); each batch size's
+            # chain is timed too (a chain over 64 requests reads more, e.g. an int8 head's float
+            # weights past 16 rows), and the policy scales the price to the batch that drafts
             k = self.num_lookahead_tokens
-            chain_s = replay_seconds(self.chain_graphs.graphs[(1, k)])
-            self.policy.draft_cost = chain_s / k / target_s
-            self.policy.draft_seconds = chain_s / k
-            logger.info("EAGLE draft step: %.1f us, %.3f of a one-request target step (%.1f us)", 1e6 * chain_s / k,
-                        self.policy.draft_cost, 1e6 * target_s)
+            seconds = {b: replay_seconds(self.chain_graphs.graphs[(b, k)]) / k for b in self.chain_graphs.sizes}
+            self.policy.draft_cost = seconds[1] / target_s
+            self.policy.draft_seconds = seconds[1]
+            self.policy.draft_scale = draft_scale(seconds)
+            logger.info("EAGLE draft step: %.1f us, %.3f of a one-request target step (%.1f us); at %d requests "
+                        "%.1f us", 1e6 * seconds[1], self.policy.draft_cost, 1e6 * target_s,
+                        max(seconds), 1e6 * seconds[max(seconds)])
 
     def begin_step(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:

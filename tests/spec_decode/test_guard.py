@@ -563,6 +563,34 @@ def test_a_draft_step_is_priced_by_its_seconds_against_the_plain_steps():
     assert planned(1.0)[0]._draft_cost(1) == 0.1  # never above the device-time ratio
 
 
+def test_a_draft_step_is_priced_at_the_batch_that_drafts():
+    """Chains timed per batch size (`draft_scale`, from EagleProposer.capture_graphs): a draft step of
+    64 requests costs what the 64-request chain takes over the one-request chain's price (an int8
+    head's layers read float weights past 16 rows there), a batch between timed sizes what the next
+    timed size's takes, past the largest the largest's; a dearer chain drafts less."""
+    from specserve.spec_decode.eagle import draft_scale
+
+    def planned(scale):
+        p = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.1)
+        p.draft_seconds, p.draft_scale, p.step_overhead = 60e-6, scale, 0.05
+        for _ in range(4):  # plain steps of 64 requests, 6 ms each
+            p.guard.observe(64, p.costs(64), 6e-3, 0, 0, 0)
+        rooms = {f"r{i}": 100 for i in range(64)}
+        for req_id in rooms:
+            for _ in range(20):
+                p.observe(req_id, 4, 2)
+        return p, sum(p.plan(rooms, 64, 8192).values())
+
+    scale = draft_scale({1: 60e-6, 2: 55e-6, 16: 72e-6, 64: 360e-6})
+    assert scale == ((1, 1.0), (2, 1.0), (16, 1.2), (64, 6.0))  # never below a smaller batch's
+    p, drafts = planned(scale)
+    one = p._draft_cost(64, 1)
+    assert one == planned(())[0]._draft_cost(64, 64)  # untimed batches: one request's price
+    assert abs(p._draft_cost(64, 10) - 1.2 * one) < 1e-12 and abs(p._draft_cost(64, 64) - 6 * one) < 1e-12
+    assert abs(p._draft_cost(64, 200) - 6 * one) < 1e-12
+    assert drafts < planned(())[1]
+
+
 def test_deferred_steps_are_timed_once_the_device_is_busy(clock):
     """A run of deferred steps starts with the device idle (after a synchronous step): its first
     start-to-start intervals are shorter than a plain step's steady time (0.80 against 1.0 ms on an
