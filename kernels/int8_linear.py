@@ -13,6 +13,9 @@ result does not depend on which program finishes first) with the bias.
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 import triton
 import triton.language as tl
@@ -84,6 +87,7 @@ CANDIDATES = ((32, 128, 3, 1), (32, 512, 5, 1), (64, 256, 4, 1), (128, 256, 3, 1
               (64, 512, 3, 1), (128, 128, 4, 1), (32, 256, 4, 2), (32, 512, 3, 4), (64, 256, 4, 4),
               (32, 256, 4, 8))
 _TUNED: dict[tuple, dict] = {}  # (row bucket, N, K, dtype, bias) -> the fastest config timed on this GPU
+logger = logging.getLogger(__name__)
 
 
 def row_bucket(m: int) -> int:
@@ -135,7 +139,10 @@ def _tuned_config(x2, weight, scale, bias, out) -> dict:
         return _TUNED[key]
     if torch.cuda.is_current_stream_capturing():
         return int8_linear_config(m)
-    best = None
+    if not _TUNED:
+        logger.info("int8 linear kernel: timing %d tile candidates per layer shape (a machine's first run compiles "
+                    "each, seconds apiece; Triton keeps them on disk)", len(CANDIDATES))
+    t0, best = time.perf_counter(), None
     flush = torch.empty(2 * torch.cuda.get_device_properties(x2.device).L2_cache_size, dtype=torch.int8,
                         device=x2.device)  # written between launches: each reads its weights from memory
     for candidate in CANDIDATES:
@@ -156,6 +163,8 @@ def _tuned_config(x2, weight, scale, bias, out) -> dict:
         if best is None or ms < best[0]:
             best = (ms, cfg)
     _TUNED[key] = best[1] if best is not None else int8_linear_config(m)
+    logger.debug("int8 linear kernel, %d rows x (%d x %d) %s: %s (%.1f s)", row_bucket(m), n, k, x2.dtype,
+                 _TUNED[key], time.perf_counter() - t0)
     return _TUNED[key]
 
 
