@@ -65,7 +65,7 @@ def case(name: str, w: torch.Tensor, m: int, l2_bytes: int) -> dict:
            "max_err": (int8_linear(x, q, s).float() - ref).abs().max().item(), "ref_max": ref.abs().max().item(),
            "bf16_ms": timed(cycled(lambda w_: torch.nn.functional.linear(x, w_), ws)),
            "int8_ms": timed(cycled(lambda q_: int8_linear(x, q_, s), qs))}
-    row["config"] = {name: v for name, v in (timed_config(m, n, k, x.dtype) or {}).items() if name != "num_warps"}
+    row["config"] = timed_config(m, n, k, x.dtype)
     row["bf16_gbps"] = round(n * k * 2 / row["bf16_ms"] / 1e6, 1)
     row["int8_gbps"] = round(n * k / row["int8_ms"] / 1e6, 1)
     return row

@@ -81,11 +81,16 @@ def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# (BLOCK_N, BLOCK_K, num_stages, SPLIT_K) tried per row bucket on a GPU; the first is also the fallback.
-# Split over K for layers whose N gives fewer tiles than a GPU has SMs (an 8B head's o and down: 4,096 rows)
-CANDIDATES = ((32, 128, 3, 1), (32, 512, 5, 1), (64, 256, 4, 1), (128, 256, 3, 1), (32, 256, 4, 1),
-              (64, 512, 3, 1), (128, 128, 4, 1), (32, 256, 4, 2), (32, 512, 3, 4), (64, 256, 4, 4),
-              (32, 256, 4, 8))
+# (BLOCK_N, BLOCK_K, num_stages, SPLIT_K, num_warps) tried for every row bucket on a GPU; the first is also
+# the fallback. Split over K for layers whose N gives fewer tiles than a GPU has SMs (an 8B head's o and
+# down: 4,096 rows)
+CANDIDATES = ((32, 128, 3, 1, 4), (32, 512, 5, 1, 4), (64, 256, 4, 1, 4), (128, 256, 3, 1, 4), (32, 256, 4, 1, 4),
+              (64, 512, 3, 1, 4), (128, 128, 4, 1, 4), (32, 256, 4, 2, 4), (32, 512, 3, 4, 4), (64, 256, 4, 4, 4),
+              (32, 256, 4, 8, 4))
+# and for the 32- and 64-row buckets also wide tiles over 8 warps, where the tensor cores' work counts
+# too (on an H200 the candidates above took 1.44x cuBLAS's bf16 time at 64 rows; these are not measured
+# yet: Int8Linear sends such products to its float weights)
+WIDE_CANDIDATES = ((128, 64, 4, 1, 8), (128, 128, 3, 1, 8), (256, 64, 3, 1, 8), (64, 128, 4, 1, 8))
 _TUNED: dict[tuple, dict] = {}  # (row bucket, N, K, dtype, bias) -> the fastest config timed on this GPU
 logger = logging.getLogger(__name__)
 
@@ -95,9 +100,14 @@ def row_bucket(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def int8_linear_config(m: int, candidate: tuple[int, int, int, int] = CANDIDATES[0]) -> dict:
-    block_n, block_k, stages, split_k = candidate
-    return dict(BLOCK_M=row_bucket(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
+def candidates(m: int) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The tile candidates the first-use timing tries for products of m rows."""
+    return CANDIDATES if row_bucket(m) == 16 else CANDIDATES + WIDE_CANDIDATES
+
+
+def int8_linear_config(m: int, candidate: tuple[int, int, int, int, int] = CANDIDATES[0]) -> dict:
+    block_n, block_k, stages, split_k, warps = candidate
+    return dict(BLOCK_M=row_bucket(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=warps,
                 num_stages=stages)
 
 
@@ -128,7 +138,7 @@ def timed_config(m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool = Fa
 
 
 def _tuned_config(x2, weight, scale, bias, out) -> dict:
-    """The fastest of CANDIDATES for this shape class, timed on first use (the median of 5 launches,
+    """The fastest of `candidates(m)` for this shape class, timed on first use (the median of 5 launches,
     each after the L2 cache is overwritten, as a draft step's layers find their weights in memory; a
     few ms a candidate, plus its compile the first time on a machine; Triton caches those on disk).
     While a CUDA graph is being captured nothing can be timed: an untimed class takes the first
@@ -141,11 +151,11 @@ def _tuned_config(x2, weight, scale, bias, out) -> dict:
         return int8_linear_config(m)
     if not _TUNED:
         logger.info("int8 linear kernel: timing %d tile candidates per layer shape (a machine's first run compiles "
-                    "each, seconds apiece; Triton keeps them on disk)", len(CANDIDATES))
+                    "each, seconds apiece; Triton keeps them on disk)", len(candidates(m)))
     t0, best = time.perf_counter(), None
     flush = torch.empty(2 * torch.cuda.get_device_properties(x2.device).L2_cache_size, dtype=torch.int8,
                         device=x2.device)  # written between launches: each reads its weights from memory
-    for candidate in CANDIDATES:
+    for candidate in candidates(m):
         cfg = int8_linear_config(m, candidate)
         try:
             _launch(x2, weight, scale, bias, out, cfg)  # compile, warm

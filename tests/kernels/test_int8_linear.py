@@ -7,7 +7,7 @@ import torch
 
 from tests.kernels.conftest import DEVICE
 
-from specserve.kernels.int8_linear import CANDIDATES, int8_linear, int8_linear_config, ref_int8_linear
+from specserve.kernels.int8_linear import CANDIDATES, WIDE_CANDIDATES, int8_linear, int8_linear_config, ref_int8_linear
 from specserve.quant.int8_rows import quantize_int8_rows
 
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
@@ -42,6 +42,12 @@ def test_int8_linear_split_over_k_matches_the_oracle(m, n, k, bias, candidate):
     """Each split-over-K tiling: K ranges that end mid-tile, splits left with no K at all (300 over 8
     splits of 256), the partial sums' reduction with the bias."""
     _check(m, n, k, torch.float32, bias, seed=k + candidate[3], config=int8_linear_config(m, candidate))
+
+
+@pytest.mark.parametrize("candidate", WIDE_CANDIDATES)
+def test_int8_linear_wide_tiles_match_the_oracle(candidate):
+    """The 32- and 64-row buckets' wide tiles: ragged N and K, rows past one tile."""
+    _check(70, 300, 200, torch.float32, True, seed=sum(candidate), config=int8_linear_config(70, candidate))
 
 
 def test_quantize_int8_rows_round_trips_within_half_a_step():
