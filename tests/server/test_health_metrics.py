@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import __version__
 from specserve.client import Client
+from specserve.server.protocol import OutputTextDelta
 from tests.server.conftest import TINY_ENGINE
 from tests.server.harness import ServerThread, engine_factory
 
@@ -75,12 +76,11 @@ def _metrics(server) -> dict[str, float]:
 def test_metrics_follow_traffic(tiny_server):
     before = _metrics(tiny_server)
     with Client(tiny_server.ws) as client:
-        client.generate([5, 6, 7], max_output_tokens=4, ignore_eos=True)
-        client.generate([5, 6, 7], max_output_tokens=3, ignore_eos=True)
+        events = [list(client.create([5, 6, 7], max_output_tokens=n, ignore_eos=True)) for n in (32, 3)]
         stream = client.create([9, 9], max_output_tokens=240, ignore_eos=True)
-        next(stream)
+        events.append([next(stream)])
         stream.cancel()
-        list(stream)
+        events[-1] += list(stream)
         # a response that finished in the engine before the cancel arrived is a success, and counted so
         cancelled = stream.final().status == "cancelled"
     tiny_server.wait_blocks(0)
@@ -103,8 +103,11 @@ def test_metrics_follow_traffic(tiny_server):
     assert delta("specserve:generation_tokens_total") >= 8
     assert delta("specserve:time_to_first_token_seconds_count") == 3
     assert delta("specserve:request_queue_time_seconds_count") == 3  # every request that was scheduled
-    # one observation per streamed delta after the first: fewer when a reader's deltas were coalesced
-    assert delta("specserve:inter_token_latency_seconds_count") >= 1
+    # one observation per engine step that streamed tokens, after a response's first (steps the reader
+    # fell behind on arrive coalesced, as one); a step observed as the cancel arrived may not be sent
+    steps = [sum(1 for e in evs if isinstance(e, OutputTextDelta) and e.token_ids) for evs in events]
+    expected = sum(max(n - 1, 0) for n in steps)
+    assert expected <= delta("specserve:inter_token_latency_seconds_count") <= expected + cancelled, steps
     assert delta("specserve:prefix_cache_queries_total") >= 8  # the engine's own counter, read at scrape time
     assert after["specserve:spec_decode_num_drafts_total"] == 0  # no speculation on this server
     assert after["specserve:num_requests_running"] == 0 and after["specserve:kv_cache_usage_perc"] == 0
