@@ -63,9 +63,9 @@ logger = logging.getLogger(__name__)
 def draft_scale(seconds: dict[int, float]) -> tuple[tuple[int, float], ...]:
     """(batch, a draft step's seconds there over one request's) from timed chains, ascending and never
     falling as the batch grows (a larger batch's chain does not cost less: a lower time is noise)."""
-    scale, out = 1.0, []
+    one, scale, out = seconds[min(seconds)], 1.0, []
     for batch in sorted(seconds):
-        scale = max(scale, seconds[batch] / seconds[min(seconds)])
+        scale = max(scale, seconds[batch] / one)
         out.append((batch, scale))
     return tuple(out)
 

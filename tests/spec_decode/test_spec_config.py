@@ -46,7 +46,7 @@ def test_the_cap_on_drafts_defaults_by_method(tiny_llama_dir):
 
 def test_an_eagle_heads_quantization_is_int8_or_none():
     assert SpecConfig(method="eagle", quantization="int8").quantization == "int8"
-    assert SpecConfig(method="eagle").quantization is None  # as trained
+    assert SpecConfig(method="eagle").quantization is None  # left out: by size and device
     with pytest.raises(ValueError, match="an EAGLE head's quantization is int8"):
         SpecConfig(method="eagle3", quantization="bitsandbytes-int8")
     with pytest.raises(ValueError, match="draft quantization none is for EAGLE heads"):
