@@ -95,6 +95,9 @@ class SchedulerConfig:
     max_model_len: int = 0  # filled in from the model config by the engine
     # schedule step N+1 while step N runs on the device (None: on for CUDA, off on the CPU)
     async_scheduling: bool | None = None
+    # with async scheduling, also launch a drafting step's successor before the step's tokens are known
+    # (EAGLE drafting on the device, CUDA, one GPU): `Scheduler.schedule_ahead`; off until measured
+    async_drafting: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -230,7 +233,7 @@ _MODEL_KEYS = {"model", "dtype", "load_format", "max_model_len", "quantization",
                "max_logprobs"}
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                "enable_prefix_caching"}
-_SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens", "async_scheduling"}
+_SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens", "async_scheduling", "async_drafting"}
 _TOP_KEYS = {"device", "attention_backend", "enforce_eager", "threads", "warmup"}
 _PARALLEL_KEYS = {"tensor_parallel_size"}
 _SPEC_KEYS = {"speculative_config", "draft_model", "num_speculative_tokens", "draft_quantization",

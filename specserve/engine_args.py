@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device runs this one (default: on for CUDA)")
+    g.add_argument("--async-drafting", action=argparse.BooleanOptionalAction, default=None,
+                   help="with async scheduling and EAGLE drafting on the GPU, also launch a drafting step's "
+                        "successor before the step's tokens are known (default: off)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="before serving, run the shapes the first batches use, so kernels compile then "
                         "and not in the first users' requests (default: on for CUDA, off on the CPU)")
@@ -73,8 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_DESTS = ["dtype", "device", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "enable_prefix_caching", "quantization", "quantize_embeddings", "attention_backend",
-                "enforce_eager", "async_scheduling", "warmup", "seed", "threads", "tokenizer", "chat_template",
-                "revision", "download_dir", "generation_config", "max_logprobs", "enable_chunked_prefill",
+                "enforce_eager", "async_scheduling", "async_drafting", "warmup", "seed", "threads", "tokenizer",
+                "chat_template", "revision", "download_dir", "generation_config", "max_logprobs", "enable_chunked_prefill",
                 "speculative_config", "draft_model", "num_speculative_tokens", "draft_quantization",
                 "draft_load_format", "tensor_parallel_size"]
 

@@ -73,6 +73,11 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
         self.async_scheduling = bool(parts.config.scheduler.async_scheduling)  # resolved by the builder
+        # a drafting step's successor launched before its tokens are known (`_step_ahead`): one device
+        # (under tensor parallelism the workers take each step's metadata from the host)
+        self.async_drafting = (self.async_scheduling and parts.config.scheduler.async_drafting
+                               and parts.config.parallel.tensor_parallel_size == 1)
+        self.num_ahead_steps = 0  # steps launched ahead of their predecessor's tokens (async drafting)
         self._inflight = None  # a launched step whose tokens are still on the device (LaunchedStep)
         self._touched: dict[str, _Group] = {}  # groups with news since the last step() returned
         self.outputs = OutputProcessor(self.tokenizer)  # text for the requests of add_request
@@ -361,12 +366,14 @@ class LLMEngine:
         return failures
 
     def _step(self) -> None:
+        if self._compiling:
+            self._admit_compiled()
         if self._inflight is not None and self._inflight.verifying is not None:
+            if self.async_drafting and self._step_ahead(self._inflight):
+                return
             # a verification in flight: its tokens decide what the next step computes
             self._stepping = (self._inflight.sched, None)
             self._drain()
-        if self._compiling:
-            self._admit_compiled()
         sched = self.scheduler.schedule()
         # what the isolation needs if this step fails: this step and the one still in flight
         self._stepping = (sched, self._inflight.sched if self._inflight is not None else None)
@@ -386,6 +393,28 @@ class LLMEngine:
             self._inflight = launched
         else:
             self._finish(launched)
+
+    def _step_ahead(self, prev) -> bool:
+        """Async drafting: launch the step after `prev` (a verification in flight whose requests all
+        drafted their next tokens on the device) before prev's tokens are known, then collect prev.
+        The device starts the next verification right behind prev's drafts, so the host's books for
+        prev's tokens, their way to the caller and the next step's scheduling all overlap the device's
+        work. The step is scheduled as if prev accepted every draft (`Scheduler.schedule_ahead`); the
+        runner moves it back on the device, and its books once prev is collected. False (nothing
+        launched) outside a drafting batch's steady state: requests waiting, some not drafting, too
+        little room left near a length limit."""
+        ks = self.runner.drafts_ahead(prev)
+        sched = self.scheduler.schedule_ahead(prev.sched, ks) if ks is not None else None
+        if sched is None:
+            return False
+        self._stepping = (sched, prev.sched)
+        launched = self.runner.launch(sched, ahead_of=prev)
+        self._inflight = None
+        self._finish(prev)
+        self.runner.settle_ahead(launched, prev)
+        self._inflight = launched
+        self.num_ahead_steps += 1
+        return True
 
     def _can_defer(self, sched) -> bool:
         """May this step's sampled tokens stay on the device while the next step is scheduled (and
@@ -476,6 +505,7 @@ class LLMEngine:
             "num_cow_copies": pool.stats.num_cow_copies,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_deferred_steps": self.num_deferred_steps,
+            "num_ahead_steps": self.num_ahead_steps,
             "num_failed_steps": self.isolation.num_failed_steps,
             "num_failed_requests": self.isolation.num_failed_requests,
             **self.spec_stats.as_dict(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from typing import TYPE_CHECKING
@@ -13,8 +14,8 @@ from typing import TYPE_CHECKING
 from specserve.engine.executor import ModelExecutor
 from specserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from specserve.engine.request import Request
-from specserve.engine.step_inputs import (DRAFT_PLACEHOLDER, DraftsInFlight, HostStaging, PendingTokens, StepInputs,
-                                          build_step_inputs)
+from specserve.engine.step_inputs import (DRAFT_PLACEHOLDER, DraftsInFlight, HostStaging, PendingTokens, StepAhead,
+                                          StepInputs, build_step_inputs)
 from specserve.sample.sampler import RequestGenerators, Sampler, SamplingRow
 from specserve.spec_decode.proposer import DeviceStep, DraftStep
 from specserve.spec_decode.rejection import plain_greedy
@@ -49,6 +50,8 @@ class _Verifying:
     event: torch.cuda.Event | None
     pending: object  # the proposer's DeviceDrafts
     drafts: tuple | None  # the drafts' host copy and its event
+    argmax: torch.Tensor  # [num_logits] int64, device: the target's argmax of every logits row
+    accepted: torch.Tensor  # [len(rows)] int64, device: each request's accepted drafts
 
 
 class ModelRunner:
@@ -92,16 +95,19 @@ class ModelRunner:
             ex.copy_blocks(copies)
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None, defer: bool = False
-               ) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None, defer: bool = False,
+               ahead_of: LaunchedStep | None = None) -> LaunchedStep:
         """Hand one step to the device. Tokens of `prev` still in flight feed this step's inputs on the
         device. With `defer` (only for steps whose requests all sample plainly, one token each, with no
         drafts to verify and an idle proposer) the sampled ids stay on the device and `collect` fetches
         them later; a step that verifies and drafts on the device leaves its verification for
-        `collect` too; otherwise the step is finished here."""
+        `collect` too; otherwise the step is finished here. `ahead_of`: a verification still in flight
+        that this step (`Scheduler.schedule_ahead`'s) follows: its inputs take that step's tokens and
+        drafts on the device and move each request back by the drafts it rejected (`StepAhead`)."""
+        ahead = self._ahead_inputs(sched, ahead_of) if ahead_of is not None else None
         # a deferred step verifies no drafts (so takes none): its requests need not be looked at
-        on_device = not defer and self._drafts_on_device(sched)
-        drafts = self._fill_drafts(sched, on_device)
+        on_device = ahead is not None or (not defer and self._drafts_on_device(sched))
+        drafts = ahead.drafts if ahead is not None else self._fill_drafts(sched, on_device)
         self.generators.forget(sched.finished_req_ids)
         if self.proposer is not None:
             self.proposer.begin_step(sched)
@@ -111,9 +117,11 @@ class ModelRunner:
             step.result = out
             return step
         self.copy_blocks(sched.block_copies)
+        prev_tokens = ahead.tokens if ahead is not None else prev.pending if prev is not None else None
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.device, staging=self.staging,
-                                   prev_tokens=prev.pending if prev is not None else None, drafts=drafts,
-                                   graphs=self.target.graphs)
+                                   prev_tokens=prev_tokens, drafts=drafts, graphs=self.target.graphs)
+        if ahead is not None:
+            ahead.move_back(inputs.positions, inputs.meta, ahead.rows)
         # the aux outputs (an EAGLE head's feature) only where they may be read
         aux = self.proposer is None or self.proposer.needs_aux(sched, defer)
         hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.meta, aux=aux)
@@ -123,7 +131,7 @@ class ModelRunner:
                 self.proposer.skip(sched, hidden, step.pending, inputs.meta.slot_mapping)
             return step
         if inputs.logits_rows and on_device:
-            step.verifying = self._verify_and_draft(sched, inputs, hidden, out)
+            step.verifying = self._verify_and_draft(sched, inputs, hidden, out, ahead)
             return step
         if inputs.logits_rows:
             self._sample(inputs, hidden, out)
@@ -138,8 +146,52 @@ class ModelRunner:
                 and all(not s.request.forks and plain_greedy(s.request.sampling_params, s.request.grammar)
                         for s in sched.scheduled if s.sample))
 
+    def drafts_ahead(self, step: LaunchedStep) -> list[int] | None:
+        """For a verification in flight (`step`): the drafts it made on the device for each of its
+        requests, in its order, where every one of them samples and drafts (the steady state of a
+        drafting batch, which `Scheduler.schedule_ahead` may schedule the next step of); else None."""
+        pending = step.verifying.pending
+        scheduled = step.sched.scheduled
+        if pending.tokens is None or len(pending.chained) != len(scheduled):
+            return None
+        if any(slot.sched is not s for slot, s in zip(pending.chained, scheduled)):
+            return None
+        return [slot.k for slot in pending.chained]
+
+    def _ahead_inputs(self, sched: SchedulerOutput, prev: LaunchedStep) -> StepAhead:
+        """What a step scheduled ahead of `prev`'s tokens takes from `prev` on the device: each
+        request's token after its accepted drafts (the target's argmax there), its drafts, and how
+        far it is behind the host's placement (prev's drafts it rejected)."""
+        v = prev.verifying
+        firsts = [first for _, first, _ in v.rows]
+        counts = [s.num_tokens for s in sched.scheduled]
+        firsts_d, drafted_d, rows_d = self.staging.to_device(
+            [np.asarray(firsts, dtype=np.int64), np.asarray([c - 1 for _, _, c in v.rows], dtype=np.int64),
+             np.repeat(np.arange(len(counts), dtype=np.int64), counts)], torch.int64)
+        ids = [s.request.request_id for s in sched.scheduled]
+        tokens = PendingTokens(v.argmax[firsts_d + v.accepted], dict(zip(ids, range(len(ids)))), None, None)
+        drafted = v.pending.tokens
+        width = drafted.shape[1]
+        drafts = DraftsInFlight(drafted.reshape(-1), dict(zip(ids, range(0, len(ids) * width, width))),
+                                {s.request.request_id: s.request for s in sched.scheduled}, None, None)
+        return StepAhead(tokens, drafts, drafted_d - v.accepted, rows_d)
+
+    def settle_ahead(self, step: LaunchedStep, prev: LaunchedStep) -> None:
+        """`prev` is collected (its tokens are on the host): the books of `step`, launched ahead of
+        them, move back by the drafts prev rejected, as the device's inputs did; prev's drafts (which
+        `step` took on the device) reach the host books when `step` is collected."""
+        result = prev.result
+        back = {s.request.request_id: len(s.spec_token_ids) - result.num_accepted.get(s.request.request_id, 0)
+                for s in prev.sched.scheduled}
+        for s in step.sched.scheduled:
+            s.start -= back[s.request.request_id]
+        pending = step.verifying.pending
+        pending.starts = [start - back[slot.sched.request.request_id]
+                          for slot, start in zip(pending.chained, pending.starts)]
+        self._unsettled, self._drafts = self._drafts, None
+
     def _verify_and_draft(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
-                          out: ModelRunnerOutput) -> _Verifying:
+                          out: ModelRunnerOutput, ahead: StepAhead | None = None) -> _Verifying:
         """Verification and the next drafts, queued with nothing waited for: the target's argmax of
         every row and the accepted prefixes (on the device) start on their way to the host, and the
         proposer's catch-up and chain are queued behind them. The host half (`_verified`, from
@@ -156,9 +208,10 @@ class ModelRunner:
         n = self.rejection_sampler.greedy_on_device(argmax, inputs.at_logits_rows(inputs.input_ids),
                                                     [c for _, _, c in rows], self.staging)
         verified, event = self._to_host([argmax, n])
-        pending = self.proposer.draft_on_device(DeviceStep(sched, rows, hidden, inputs.meta.slot_mapping, argmax, n))
+        pending = self.proposer.draft_on_device(DeviceStep(sched, rows, hidden, inputs.meta.slot_mapping, argmax, n,
+                                                           ahead))
         drafts = self._to_host([pending.tokens.reshape(-1)]) if pending.tokens is not None else None
-        return _Verifying(out, rows, verified, event, pending, drafts)
+        return _Verifying(out, rows, verified, event, pending, drafts, argmax, n)
 
     def _verified(self, sched: SchedulerOutput, v: _Verifying) -> ModelRunnerOutput:
         """The host half of `_verify_and_draft`: the step's one wait, then its tokens and the number
@@ -169,6 +222,8 @@ class ModelRunner:
         self._settle_drafts(sched)  # this step's drafts (read from the device) reach the host books
         tokens, accepted = v.verified[0].tolist(), v.verified[1].tolist()
         for i, (s, first, _) in enumerate(v.rows):
+            if s.request.is_finished:  # by its step before (a step scheduled ahead): its work is dropped
+                continue
             req_id = s.request.request_id
             out.sampled_token_ids[req_id] = tokens[first:first + accepted[i] + 1]
             if s.spec_token_ids:

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from specserve.engine.request import Request
 
 
+DRAFT_PLACEHOLDER = -1  # a draft the host does not have yet (its value is on the device): never a model input
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 from specserve.cache.kv_cache_manager import KVCacheManager
 from specserve.config import SchedulerConfig
-from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from specserve.engine.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.engine.request import Request, RequestStatus
 
 
@@ -153,6 +153,58 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         return out
+
+    def schedule_ahead(self, prev: SchedulerOutput, ks: list[int]) -> SchedulerOutput | None:
+        """The step after `prev`, scheduled while prev's verification is still on the device (async
+        drafting): each of prev's requests computes 1 + k tokens (`ks`, in prev's order: the drafts
+        prev's step made for it on the device), placed where the request stands if every draft of
+        prev is accepted. The runner moves each request back on the device by the drafts prev
+        rejected (`ModelRunner.launch`), and its books once prev's tokens are known (`settle_ahead`).
+        Only for a drafting batch's steady state: None when a waiting request could be admitted now
+        (or a running one preempted for it), isolation runs, prev left a running request out, a
+        request has too little room left for every outcome of prev (near max_tokens or max_model_len,
+        where drafts would be cut) or the budget or KV blocks fall short (blocks allocated by then
+        stay with their requests: later steps use them)."""
+        if self._may_admit() or self.isolate or self._reset_ids or len(prev.scheduled) != len(self.running):
+            return None
+        max_len = self.config.max_model_len
+        for s, k in zip(prev.scheduled, ks, strict=True):
+            request = s.request
+            # prev's tokens (up to 1 + its drafts) and this step's (1 + k): the drafts prev made are
+            # kept whatever it accepts (`draft_room`), so the step computes what was scheduled
+            need = len(s.spec_token_ids) + k + 2
+            if request.status != RequestStatus.RUNNING or k <= 0 or request.room(max_len) < need:
+                return None
+        out = SchedulerOutput()
+        out.num_batched_tokens = sum(1 + k for k in ks)
+        if out.num_batched_tokens > self.config.max_num_batched_tokens:
+            return None
+        for s, k in zip(prev.scheduled, ks):
+            request = s.request
+            start = s.start + s.num_tokens  # every draft accepted
+            lowest = start - len(s.spec_token_ids)  # none accepted: copy-on-write from there
+            end = start + self._with_lookahead(start, 1 + k)
+            if not self.kv.allocate_slots(request.request_id, lowest, end - lowest):
+                return None
+            # the full blocks of known tokens (registered as a step fills them: `_scheduled`)
+            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_tokens,
+                                 request.sampling_params.cache_salt)
+            out.scheduled.append(ScheduledRequest(request=request, start=start, num_tokens=1 + k,
+                                                  spec_token_ids=[DRAFT_PLACEHOLDER] * k,
+                                                  block_ids=self.kv.block_ids(request.request_id), sample=True))
+        out.block_copies = self.kv.take_copies()
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
+        return out
+
+    def _may_admit(self) -> bool:
+        """Could `schedule` now admit a waiting request, or preempt a running one to make room for it
+        (an owner with nothing running: `_make_room_for_newcomer`)?"""
+        if not self.waiting:
+            return False
+        if len(self.running) < self.config.max_num_seqs:
+            return True
+        running = {r.owner for r in self.running}
+        return any(owner not in running for owner in self._waiting_owners)
 
     def _next_waiting(self, running_of: Counter, allowed: set[str] | None) -> Request | None:
         """The waiting request to admit next: of the owner with the fewest running requests, the

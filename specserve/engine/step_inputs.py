@@ -14,7 +14,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from specserve.engine.outputs import ScheduledRequest
+from specserve.engine.outputs import DRAFT_PLACEHOLDER, ScheduledRequest  # noqa: F401 (the runner's name for it)
 from specserve.models.layers.attention import PAD_SLOT_ID, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -306,9 +306,6 @@ class PendingTokens:
     event: torch.cuda.Event | None
 
 
-DRAFT_PLACEHOLDER = -1  # a draft the host does not have yet (its value is on the device): never a model input
-
-
 @dataclass
 class DraftsInFlight:
     """Drafts a step made on the device for the next one: the next step's inputs take them there
@@ -319,3 +316,34 @@ class DraftsInFlight:
     requests: dict  # request id -> its Request (whose `spec_token_ids` hold placeholders)
     host: torch.Tensor  # `tokens` on the host (pinned on CUDA), valid once `event` completed
     event: torch.cuda.Event | None
+
+
+@dataclass
+class StepAhead:
+    """The inputs of a step scheduled before its predecessor's tokens were known (async drafting:
+    `Scheduler.schedule_ahead`): the host placed each request as if every draft of the predecessor
+    were accepted; on the device each is `back` positions behind that (the drafts it rejected). The
+    step's inputs take the predecessor's last tokens (`tokens`: the target's token after its accepted
+    drafts) and its drafts (`drafts`) on the device."""
+
+    tokens: PendingTokens
+    drafts: DraftsInFlight
+    back: torch.Tensor  # [num_reqs] int64, device: per request of the step, in its order
+    rows: torch.Tensor  # [num_tokens] int64, device: the request of each of the step's tokens
+
+    def move_back(self, positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
+                  reqs: torch.Tensor | None = None) -> torch.Tensor:
+        """Move a batch built at the host's positions (the step's, or a proposer's over the same
+        positions) back where the device has its requests, in place: positions, context lengths and
+        KV slots (from the block tables; padding past `rows` is left as it is). `rows`: each token's
+        request in the batch; `reqs`: each of the batch's requests in the step (None: the same).
+        Returns the new positions [len(rows)]."""
+        back = self.back if reqs is None else self.back[reqs]
+        num = len(rows)
+        pos = positions[:num]
+        pos.sub_(back[rows])
+        seq_lens = meta.seq_lens[:len(back)]
+        seq_lens.sub_(back.to(seq_lens.dtype))
+        bs = meta.block_size
+        meta.slot_mapping[:num] = meta.block_tables[rows, pos // bs].long() * bs + pos % bs
+        return pos

@@ -223,7 +223,10 @@ class EagleProposer:
         head's entries up to the newest token it would have if every draft were accepted (the target's
         argmax of each row as the token: equal to the draft where it was accepted, the correction where
         not, rows past that untrusted, as the chain's are); its newest entry and context length are
-        picked on the device by its accepted count; the chain reads them there. Nothing waits."""
+        picked on the device by its accepted count; the chain reads them there. Nothing waits.
+        A step scheduled ahead of its predecessor's tokens (`step.ahead`) only follows requests that
+        drafted in that predecessor (whose entries are valid up to its newest token): its catch-up
+        covers its own rows alone, built at the host's positions and moved back on the device."""
         sched, policy = step.sched, self.policy
         num_base, num_drafts = step_tokens(sched)
         policy.step_finished(num_base, num_drafts, len(step.logits_rows), None)
@@ -251,7 +254,8 @@ class EagleProposer:
             if slot.k <= 0:
                 slot.k = 0
                 continue
-            start = self.entries.valid(s, known)
+            # ahead: the books of the predecessor's catch-up are kept later (`drafted`); it covered known
+            start = known if step.ahead is not None else self.entries.valid(s, known)
             picks += range(num_logits + len(host_ids), num_logits + len(host_ids) + known - start)
             picks += range(first, first + count)
             host_ids += _context(s.request, [], start, known)
@@ -284,16 +288,24 @@ class EagleProposer:
         # the catch-up's, every verifying request drafts)
         own_ids = not host_ids and picks == list(range(num_logits))
         every_request = which == list(range(len(step.logits_rows)))
+        ahead = step.ahead
         positions, meta, (src_d, ks_d, ends_d, *optional) = batch_metadata(
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
             extra_int64=[np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, bases + lens)] +
             ([] if own_ids else [np.asarray(a, dtype=np.int64) for a in (host_ids, picks)]) +
-            ([] if every_request else [np.asarray(which, dtype=np.int64)]),
+            ([] if every_request else [np.asarray(which, dtype=np.int64)]) +
+            ([] if ahead is None else [np.repeat(np.arange(len(chained), dtype=np.int64), query_lens[:len(chained)])]),
             padding_from=num_rows if padding else None, graphs=ex.graphs)
-        optional = iter(optional)  # host ids and picks, then which: those uploaded, in that order
+        optional = iter(optional)  # host ids and picks, then which, then rows: those uploaded, in that order
         ids_d = step.argmax if own_ids else torch.cat([step.argmax, next(optional)])[next(optional)]
+        which_d = None if every_request else next(optional)
+        n = step.num_accepted if which_d is None else step.num_accepted[which_d]
+        if ahead is not None:  # the host's positions, its sources and L, moved back on the device
+            rows_d = next(optional)
+            prev = ahead.move_back(positions, meta, rows_d, which_d) - 1
+            src_d[:num_rows] = meta.block_tables[rows_d, prev // bs].long() * bs + prev % bs
+            n = torch.stack([n, n - (ahead.back if which_d is None else ahead.back[which_d])])
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
-        n = step.num_accepted if every_request else step.num_accepted[next(optional)]
         ends = ends_d.view(2, -1) + n  # per request: its newest row in g and its context length L
         newest, context_lens = g[ends[0]], ends[1]
         chain = self.chain_graphs
@@ -321,17 +333,20 @@ class EagleProposer:
         device): the verifications go to the estimates, the head's entries are valid up to each newest
         token, the rest fall behind. Returns how many drafts each drafting request keeps (a prefix of
         its row of `pending.tokens`): k cut to the room its real new tokens leave."""
-        for s in pending.sched.scheduled:
+        # a request that ended since the step was launched (one scheduled ahead) has no books left
+        verified = [s for s in pending.sched.scheduled if not s.request.is_finished]
+        for s in verified:
             if s.spec_token_ids:
                 req_id = s.request.request_id
                 self.policy.observe(req_id, len(s.spec_token_ids), out.num_accepted[req_id])
         chained = {slot.sched.request.request_id for slot in pending.chained}
-        self.entries.fall_behind((s, _verified(s, out)) for s in pending.sched.scheduled
-                                 if s.request.request_id not in chained)
+        self.entries.fall_behind((s, _verified(s, out)) for s in verified if s.request.request_id not in chained)
         kept: dict[str, int] = {}
         for slot, start in zip(pending.chained, pending.starts):
             s = slot.sched
             req_id = s.request.request_id
+            if s.request.is_finished:
+                continue
             new_ids = out.sampled_token_ids[req_id]
             self.entries.written(s, start, s.request.num_tokens + len(new_ids))
             k = min(slot.k, draft_room(s.request, new_ids, self.max_model_len))

@@ -20,6 +20,9 @@ the runner hands it plain data:
    reached the host (its accepted counts are device tensors), then `drafted(...)` once the host has
    the step's tokens: the host waits for the verification only; the drafts reach the host while it
    resolves and schedules the next step (the runner fills them in before that step's inputs).
+   With async drafting the next step may be launched before this one's tokens reach the host
+   (`Scheduler.schedule_ahead`): its `DeviceStep.ahead` says how far each request is behind the
+   host's books on the device; its `drafted(...)` comes after the runner moved its books back.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import torch
 if TYPE_CHECKING:
     from specserve.engine.executor import ModelExecutor
     from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-    from specserve.engine.step_inputs import PendingTokens
+    from specserve.engine.step_inputs import PendingTokens, StepAhead
     from specserve.models.llama import LlamaForCausalLM
     from specserve.sample.sampler import RequestGenerators
     from specserve.spec_decode.eagle import DeviceDrafts
@@ -68,6 +71,9 @@ class DeviceStep:
     slot_mapping: torch.Tensor  # [num_tokens] int64, device: the KV slot of each of those rows
     argmax: torch.Tensor  # [num_logits] int64, device: the target's argmax of every logits row
     num_accepted: torch.Tensor  # [len(logits_rows)] int64, device: each request's accepted drafts
+    # a step scheduled ahead of its predecessor's tokens: the host's positions are each request's if
+    # every draft of the predecessor was accepted; on the device it is `ahead.back` behind them
+    ahead: StepAhead | None = None
 
 
 class Proposer(Protocol):

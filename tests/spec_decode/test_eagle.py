@@ -170,7 +170,7 @@ def _run_on_device(model_dir, args: str, spec: dict, on_device: bool, prompts=No
                    pad: bool = False, **engine):
     """Generate with the EAGLE proposer drafting on the device or not (on the CPU the device path is
     the same code as on CUDA, with the chain run eagerly; `pad`: its catch-ups padded, as on CUDA);
-    counts its `draft_on_device` calls."""
+    counts its `draft_on_device` calls (and the steps launched ahead of their predecessor's tokens)."""
     llm = LLM(str(model_dir), dtype="float32", device="cpu", **{**ENGINE_ARGS[args], **engine},
               speculative_config=spec)
     proposer = llm.engine.proposer
@@ -183,7 +183,7 @@ def _run_on_device(model_dir, args: str, spec: dict, on_device: bool, prompts=No
     stats = llm.engine.stats()
     counts = (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
               stats["spec_decode_num_accepted_tokens"])
-    return [o.outputs[0].token_ids for o in outs], counts, len(calls)
+    return [o.outputs[0].token_ids for o in outs], counts, len(calls), stats["num_ahead_steps"]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -249,7 +249,7 @@ def test_drafting_on_the_device_with_adaptive_k_async_steps_and_random_requests(
     a batch with a random request takes the host path that step. Greedy requests keep the target's
     output, and the random ones run to their length."""
     spec = eagle_config(trained_head_dir, 3, adaptive=True, compute_bound_tokens=4)
-    got, counts, calls = _run_on_device(tiny_llama_dir, "mixed", spec, True, async_scheduling=True)
+    got, counts, calls, _ = _run_on_device(tiny_llama_dir, "mixed", spec, True, async_scheduling=True)
     assert got == reference(tiny_llama_dir, "mixed")
     assert calls > 0 and counts[0] > 0 and counts[2] > 0
     prompts = spec_prompts()[:4]
@@ -754,3 +754,35 @@ def test_the_served_estimate_counts_what_the_engine_accepts(tiny_llama_dir, trai
     assert stats["spec_decode_num_accepted_tokens"] > 0, "the head was meant to be accepted sometimes"
     assert est.num_served_chains == stats["spec_decode_num_drafts"]
     assert est.served_mean_acceptance_length == pytest.approx(stats["spec_decode_mean_acceptance_length"], abs=1e-9)
+
+
+# -- async drafting: the next verification launched before the step's tokens are known ---------------
+LONG = SamplingParams(temperature=0.0, max_tokens=3 * MAX_NEW, ignore_eos=True)
+_long_reference: dict[str, list[list[int]]] = {}
+
+
+def long_reference(model_dir, args: str) -> list[list[int]]:
+    """The target's greedy output for `LONG` (no speculation)."""
+    if args not in _long_reference:
+        llm = LLM(str(model_dir), dtype="float32", device="cpu", **ENGINE_ARGS[args])
+        outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], LONG)
+        _long_reference[args] = [o.outputs[0].token_ids for o in outs]
+    return _long_reference[args]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("args", ["mixed", "preempt"])
+def test_steps_launched_ahead_of_their_predecessors_tokens_keep_the_targets_output(tiny_llama_dir,
+                                                                                  trained_head_dir, k, args):
+    """Async drafting: a drafting batch's next step is scheduled and launched while its predecessor's
+    verification is on the device, placed as if every draft were accepted and moved back on the
+    device by the drafts rejected (the inputs, the head's catch-up, the chain); its books are moved
+    back once the predecessor is collected. Output is the target's (fp32: prefix hits, chunked
+    prefill, preemption), with the very drafts and acceptance of drafting on the device without it,
+    and no block leaks."""
+    spec = eagle_config(trained_head_dir, k)
+    plain = _run_on_device(tiny_llama_dir, args, spec, True, params=LONG, async_scheduling=True)
+    got = _run_on_device(tiny_llama_dir, args, spec, True, params=LONG, async_scheduling=True, async_drafting=True)
+    assert plain[3] == 0 and got[3] > 20, "few steps were launched ahead: the case did not run"
+    assert got[0] == plain[0] == long_reference(tiny_llama_dir, args)
+    assert got[1] == plain[1] and got[1][2] > 0

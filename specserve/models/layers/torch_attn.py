@@ -61,13 +61,14 @@ class TorchAttentionBackend:
         device = meta.block_tables.device
         block_size = meta.block_size
         q_lens = [meta.query_lens_cpu[i] for i in reqs]
-        s_lens = [meta.seq_lens_cpu[i] for i in reqs]
         max_q = max(q_lens)
-        num_blocks = -(-max(s_lens) // block_size)
+        # the host's context lengths bound the device's (a step scheduled ahead of its predecessor's
+        # tokens is moved back on the device: model_runner.py, `launch`): the mask reads the device's
+        num_blocks = -(-max(meta.seq_lens_cpu[i] for i in reqs) // block_size)
         req_idx = torch.tensor(reqs, device=device)
         starts = meta.query_start_loc[req_idx].long()  # [B]
         q_lens_t = torch.tensor(q_lens, device=device)
-        s_lens_t = torch.tensor(s_lens, device=device)
+        s_lens_t = meta.seq_lens[req_idx].long()
         rows = torch.arange(max_q, device=device)
         q_valid = rows[None, :] < q_lens_t[:, None]  # [B, Q]
         q_index = torch.where(q_valid, starts[:, None] + rows[None, :], starts[:, None])
