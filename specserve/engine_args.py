@@ -77,7 +77,8 @@ ENGINE_DESTS = ["dtype", "device", "load_format", "max_model_len", "max_num_seqs
                 "block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization",
                 "enable_prefix_caching", "quantization", "quantize_embeddings", "attention_backend",
                 "enforce_eager", "async_scheduling", "async_drafting", "warmup", "seed", "threads", "tokenizer",
-                "chat_template", "revision", "download_dir", "generation_config", "max_logprobs", "enable_chunked_prefill",
+                "chat_template", "revision", "download_dir", "generation_config", "max_logprobs",
+                "enable_chunked_prefill",
                 "speculative_config", "draft_model", "num_speculative_tokens", "draft_quantization",
                 "draft_load_format", "tensor_parallel_size"]
 

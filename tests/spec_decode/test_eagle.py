@@ -183,6 +183,7 @@ def _run_on_device(model_dir, args: str, spec: dict, on_device: bool, prompts=No
     stats = llm.engine.stats()
     counts = (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
               stats["spec_decode_num_accepted_tokens"])
+    assert stats["num_failed_steps"] == 0
     return [o.outputs[0].token_ids for o in outs], counts, len(calls), stats["num_ahead_steps"]
 
 
@@ -786,3 +787,52 @@ def test_steps_launched_ahead_of_their_predecessors_tokens_keep_the_targets_outp
     assert plain[3] == 0 and got[3] > 20, "few steps were launched ahead: the case did not run"
     assert got[0] == plain[0] == long_reference(tiny_llama_dir, args)
     assert got[1] == plain[1] and got[1][2] > 0
+
+
+def test_requests_ending_while_a_step_runs_ahead_of_them(tiny_llama_dir, trained_head_dir):
+    """Under async drafting a request can end (a stop token among its accepted tokens, an abort)
+    after its next step was launched: that step's work for it is dropped, the others keep the
+    target's output, the head's and adaptive k's books hold nothing of ended requests, no block
+    leaks, and later requests still run ahead."""
+    want = long_reference(tiny_llama_dir, "mixed")
+    # stop tokens that end requests 0 and 3 mid-generation (and any other output holding them there)
+    stops = [next(t for t in want[i][16:] if t not in want[i][:16] and t not in want[5]) for i in (0, 3)]
+
+    def expected(tokens: list[int]) -> list[int]:
+        ends = [tokens.index(t) + 1 for t in stops if t in tokens]
+        return tokens[:min(ends, default=len(tokens))]
+
+    params = SamplingParams(temperature=0.0, max_tokens=LONG.max_tokens, ignore_eos=True, stop_token_ids=stops)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"], async_scheduling=True,
+              async_drafting=True, speculative_config=eagle_config(trained_head_dir, 3))
+    eng = llm.engine
+    eng.proposer.drafts_on_device = True
+    settle, ended_ahead = eng.runner.settle_ahead, set()
+
+    def spy_settle(step, prev):  # prev is collected: requests it ended have a step in flight
+        ended_ahead.update(s.request.request_id for s in step.sched.scheduled if s.request.is_finished)
+        return settle(step, prev)
+
+    eng.runner.settle_ahead = spy_settle
+    for i, p in enumerate(spec_prompts()):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    outs, aborted_ahead = {}, False
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step())
+        inflight = eng._inflight
+        if not aborted_ahead and eng.num_ahead_steps > 5 and inflight is not None and inflight.verifying is not None:
+            ids = [s.request.request_id for s in inflight.sched.scheduled]
+            if "r5" in ids:  # r5's next step is on the device
+                eng.abort("r5")
+                aborted_ahead = True
+    assert aborted_ahead, "r5 was never aborted with a step in flight: the case did not run"
+    for i, tokens in enumerate(want):
+        if i == 5:
+            assert "r5" not in outs or not outs["r5"].finished
+            continue
+        assert outs[f"r{i}"].finished and outs[f"r{i}"].outputs[0].token_ids == expected(tokens), i
+    assert ended_ahead & {"r0", "r3"}, "no stop token ended a request with a step ahead: the case did not run"
+    assert eng.num_ahead_steps > 20 and eng.stats()["num_failed_steps"] == 0
+    assert eng.kv_manager.pool.num_used_blocks == 0
+    proposer = eng.proposer
+    assert not proposer.entries.computed and not proposer._probs and not proposer.policy._est
