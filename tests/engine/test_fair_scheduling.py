@@ -88,3 +88,30 @@ def test_isolation_schedules_only_the_first_set():
     assert step(s) == ["r2"]
     s.isolate.pop(0)
     assert sorted(step(s)) == ["r0", "r1"]
+
+
+def test_a_step_is_scheduled_ahead_only_where_nobody_could_be_admitted():
+    """Async drafting schedules a drafting batch's next step before its tokens are known
+    (`schedule_ahead`) only while no waiting request could take a slot: a queue behind a full batch
+    of its own owner does not stop it; a newcomer owner (a slot by preemption), a free slot with a
+    request waiting, or too little room before max_tokens does. Placed as if every draft were accepted."""
+    s = scheduler(2)
+    s.config.max_model_len = 256
+    for i in range(3):
+        s.add_request(Request(f"a{i}", [1, 2, 3, 4, 5], SamplingParams(max_tokens=40), owner="A"))
+    step(s)
+    prev = s.schedule()  # a verification of 2 drafts each (as if drafted)
+    for r in prev.scheduled:
+        r.spec_token_ids = [9, 9]
+        r.num_tokens += 2
+    ahead = s.schedule_ahead(prev, [3, 3])
+    assert [r.request.request_id for r in ahead.scheduled] == ["a0", "a1"]
+    assert all(r.start == p.start + p.num_tokens and r.num_tokens == 4 and len(r.spec_token_ids) == 3
+               for r, p in zip(ahead.scheduled, prev.scheduled))
+    s.add_request(request("b0", "B"))  # a newcomer: schedule() would preempt for it
+    assert s.schedule_ahead(prev, [3, 3]) is None
+    s.finish_request("b0", RequestStatus.FINISHED_ABORTED)
+    assert s.schedule_ahead(prev, [3, 3]) is not None
+    # 6 tokens left: fewer than prev's 1 + 2 and this step's 1 + 3 may need (its drafts would be cut)
+    s.requests["a0"].sampling_params.max_tokens = 7
+    assert s.schedule_ahead(prev, [3, 3]) is None

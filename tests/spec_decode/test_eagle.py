@@ -245,19 +245,25 @@ def test_catch_up_buckets_are_powers_of_two_then_eighths_of_a_doubling():
         assert b & (b - 1) == 0 if n <= 8192 else (b - n) * 8 <= n
 
 
-def test_drafting_on_the_device_with_adaptive_k_async_steps_and_random_requests(tiny_llama_dir, trained_head_dir):
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "async-drafting"])
+def test_drafting_on_the_device_with_adaptive_k_async_steps_and_random_requests(tiny_llama_dir, trained_head_dir,
+                                                                                ahead):
     """Adaptive k plans before the step's acceptance is known and steps without drafts run ahead;
     a batch with a random request takes the host path that step. Greedy requests keep the target's
-    output, and the random ones run to their length."""
-    spec = eagle_config(trained_head_dir, 3, adaptive=True, compute_bound_tokens=4)
-    got, counts, calls, _ = _run_on_device(tiny_llama_dir, "mixed", spec, True, async_scheduling=True)
-    assert got == reference(tiny_llama_dir, "mixed")
-    assert calls > 0 and counts[0] > 0 and counts[2] > 0
+    output, and the random ones run to their length (with async drafting too: a random request
+    stops steps from running ahead of a verification)."""
+    # (async drafting: drafts priced low enough that spells run steps ahead at 4 requests)
+    spec = eagle_config(trained_head_dir, 3, adaptive=True, compute_bound_tokens=32 if ahead else 4,
+                        **({"draft_cost": 0.01} if ahead else {}))
+    got, counts, calls, num_ahead = _run_on_device(tiny_llama_dir, "mixed", spec, True, params=LONG,
+                                                   async_scheduling=True, async_drafting=ahead)
+    assert got == long_reference(tiny_llama_dir, "mixed")
+    assert calls > 0 and counts[0] > 0 and counts[2] > 0 and (num_ahead > 0) == ahead
     prompts = spec_prompts()[:4]
     mixed = [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=MAX_NEW, ignore_eos=True)
              for i in range(len(prompts))]
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"],
-              speculative_config=eagle_config(trained_head_dir, 3))
+              async_scheduling=ahead, async_drafting=ahead, speculative_config=eagle_config(trained_head_dir, 3))
     llm.engine.proposer.drafts_on_device = True
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], mixed)
     assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)

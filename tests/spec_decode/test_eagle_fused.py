@@ -1,6 +1,6 @@
 """EAGLE heads that fuse several of the target's layers (EAGLE-3's feature fusion, method eagle3):
 the target's forward returns its layers' outputs as HF computes them; with such a head greedy output
-is the target's (fp32: prefix hits, chunked prefill, preemption, drafting on the device or not);
+is the target's (fp32: prefix hits, chunked prefill, preemption, drafting on the device or not, steps launched ahead);
 heads whose layers the target does not have are refused."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 from specserve import LLM
 from specserve.spec_decode.eagle_head import default_aux_layers, load_head, target_weights
-from tests.spec_decode.test_eagle import _hidden, _random_head, _run_on_device, _target, eagle_config
+from tests.spec_decode.test_eagle import (LONG, _hidden, _random_head, _run_on_device, _target, eagle_config,
+                                         long_reference)
 from tests.spec_decode.test_greedy_identity import reference
 
 IDS = [5, 17, 33, 8, 91, 240, 12, 7, 64, 100, 3, 55, 19, 250]
@@ -85,6 +86,17 @@ def test_greedy_identity_with_a_fused_head(tiny_llama_dir, fused_head_dir, args)
     # method eagle loads a fused head too
     plain = _run_on_device(tiny_llama_dir, args, eagle_config(fused_head_dir, 3), False)
     assert plain[:2] == host[:2]
+
+
+def test_a_fused_head_with_steps_launched_ahead(tiny_llama_dir, fused_head_dir):
+    """Async drafting with a fused head (its feature stored at the moved-back KV slots): the target's
+    output, with the drafts and acceptance of drafting on the device without it."""
+    spec = dict(eagle_config(fused_head_dir, 3), method="eagle3")
+    plain = _run_on_device(tiny_llama_dir, "mixed", spec, True, params=LONG, async_scheduling=True)
+    ahead = _run_on_device(tiny_llama_dir, "mixed", spec, True, params=LONG, async_scheduling=True,
+                           async_drafting=True)
+    assert ahead[3] > 20 and ahead[0] == plain[0] == long_reference(tiny_llama_dir, "mixed")
+    assert ahead[1] == plain[1] and 0 < plain[1][2] < plain[1][1]
 
 
 def test_fused_heads_that_do_not_fit_are_refused(tiny_llama_dir, fused_head_dir, tmp_path):
