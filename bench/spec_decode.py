@@ -147,6 +147,7 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int,
         "slowest_steps_ms": [round(1000 * t, 1) for t in sorted(step_s)[-3:]],  # a stall shows here
         # steps not left in flight (prefills, verifications, the policy's plans) and their share of the time
         "sync_steps": len(sync_s), "sync_steps_s": round(sum(sync_s), 3),
+        "ahead_steps": after["num_ahead_steps"] - before["num_ahead_steps"],  # --async-drafting
         **causes,
     }
 
@@ -212,6 +213,8 @@ def configs(args) -> list[tuple[str, dict | None]]:
             out.append(("eagle", dict(base, method="eagle", model=args.eagle)))
             if args.host_drafting:
                 out.append(("eagle host", out[-1][1]))
+            if args.async_drafting:
+                out.append(("eagle ahead", out[-1][1]))
             out += [(f"eagle {q}", dict(base, method="eagle", model=args.eagle, quantization=q))
                     for q in args.eagle_quantization]
         return out
@@ -222,7 +225,9 @@ def configs(args) -> list[tuple[str, dict | None]]:
         out.append(("eagle sim", dict(base, method=method, load_format="dummy",
                                       simulated_acceptance=args.eagle_acceptance)))
         if args.host_drafting:
-            out.append(("eagle sim host", out[-1][1]))
+            out.append(("eagle sim host", out[1][1]))
+        if args.async_drafting:
+            out.append(("eagle sim ahead", out[1][1]))
         out += [(f"eagle sim {q}", dict(out[1][1], quantization=q)) for q in args.eagle_quantization]
     if args.draft_model:
         draft = dict(base, method="draft_model", load_format="dummy")
@@ -252,7 +257,7 @@ def merge_runs(runs: list[dict]) -> dict:
     out["repeats"] = len(runs)
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
     for key in ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries", "sync_steps",
-                "sync_steps_s"):
+                "sync_steps_s", "ahead_steps"):
         out[key] = [r[key] for r in runs]
     return out
 
@@ -302,7 +307,8 @@ def build_setups(args, group, engine_args) -> list[Setup]:
             llm = shared
             proposer = None if spec is None else shared.engine.proposer
         else:
-            llm = LLM(args.model, speculative_config=spec, **engine_args)
+            ahead = {"async_drafting": True} if name.endswith(" ahead") else {}  # --async-drafting
+            llm = LLM(args.model, speculative_config=spec, **engine_args, **ahead)
             proposer = llm.engine.proposer
             if name.endswith(" host"):  # --host-drafting: verification and drafting with a host wait between
                 proposer.drafts_on_device = False
@@ -352,6 +358,9 @@ def main() -> int:
     ap.add_argument("--host-drafting", action="store_true",
                     help="also run EAGLE with the host path: verification read back before drafting (on CUDA "
                          "the engine drafts on the device, with one host wait per step)")
+    ap.add_argument("--async-drafting", action="store_true",
+                    help="also run EAGLE with async drafting (a drafting step's successor launched before its "
+                         "tokens are known; engine option async_drafting, off by default)")
     ap.add_argument("--sharegpt-skip", type=int, default=0,
                     help="ShareGPT prompts from after the first N conversations (held out from a head's training)")
     ap.add_argument("--threads", type=int, default=None)

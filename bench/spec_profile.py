@@ -47,6 +47,8 @@ def build(args, spec: dict | None) -> LLM:
     extra = {"num_kv_blocks": 2 * max(args.concurrency) * -(-max_len // 16)} if args.device != "cpu" else {}
     if args.async_scheduling:
         extra["async_scheduling"] = True
+    if args.async_drafting:
+        extra["async_drafting"] = True
     llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
               max_num_seqs=max(args.concurrency), max_model_len=max_len, speculative_config=spec, **extra)
     if spec is not None and args.drafts_on_device:  # the CUDA path, run eagerly (as the tests do on the CPU)
@@ -265,6 +267,8 @@ def main() -> int:
     ap.add_argument("--drafts-on-device", action="store_true",
                     help="CPU: draft through the CUDA path (draft_on_device), eagerly: its host work")
     ap.add_argument("--async-scheduling", action="store_true", help="CPU: async scheduling (the CUDA default)")
+    ap.add_argument("--async-drafting", action="store_true",
+                    help="async drafting: a drafting step's successor launched before its tokens are known")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--no-adaptive", action="store_true")
     ap.add_argument("--both-policies", action="store_true", help="an adaptive engine and a k-forced one side by side")

@@ -113,3 +113,47 @@ def test_a_staged_step_is_what_the_copies_would_write(monkeypatch):
             assert torch.equal(getattr(staged_meta, name), getattr(meta, name)), (trial, name)
         assert (staged_meta.num_reqs, staged_meta.num_tokens, staged_meta.max_query_len, staged_meta.max_seq_len) == \
             (meta.num_reqs, meta.num_tokens, meta.max_query_len, meta.max_seq_len)
+
+
+def test_a_step_moved_back_is_the_step_at_its_real_positions():
+    """Async drafting builds a step where its requests stand if the step before accepted every draft
+    and moves it back on the device (`StepAhead.move_back`): in a graph's buffers (staged) and in
+    plain tensors alike, positions, KV slots and context lengths become those of the step built at
+    the real positions, and the padding stays as it was."""
+    import random
+
+    import numpy as np
+
+    from specserve.engine.step_inputs import HostStaging, StepAhead, batch_metadata
+
+    rng = random.Random(1)
+    g = graphs(0, query_lens=(1, 5), max_num_seqs=8)
+    host = HostStaging(torch.device("cpu"))
+    for trial in range(200):
+        num_reqs = rng.randint(1, 8)
+        q_lens = [rng.randint(1, 5) for _ in range(num_reqs)]
+        back = [rng.randint(0, 4) for _ in range(num_reqs)]  # drafts the step before rejected
+        real = [q + rng.randint(1, 200) for q in q_lens]
+        ahead = [s + b for s, b in zip(real, back)]
+        tables = [[rng.randrange(1, 500) for _ in range(-(-s // 16) + 1)] for s in ahead]
+        rows = torch.from_numpy(np.repeat(np.arange(num_reqs), q_lens))
+        step = StepAhead(None, None, torch.tensor(back), rows)
+        want_pos, want, _ = batch_metadata(q_lens, real, tables, 16, torch.device("cpu"), staging=host)
+        key = g.key(num_reqs, max(q_lens), sum(q_lens))
+        for staged in (False, True):
+            g.region.fill_(0x5A)
+            pos, meta, _ = batch_metadata(q_lens, ahead, tables, 16, torch.device("cpu"), staging=host,
+                                          graphs=g if staged else None)
+            assert bool(meta.extra) == staged
+            before = _graph_view(g, key, num_reqs, meta.num_tokens, len(tables[0]))
+            moved = step.move_back(pos, meta, rows)
+            assert torch.equal(moved, want_pos) and torch.equal(pos, want_pos), (trial, staged)
+            for name in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"):
+                assert torch.equal(getattr(meta, name), getattr(want, name)), (trial, staged, name)
+            if staged:  # what the graph reads: the real step, and the padding untouched
+                after = _graph_view(g, key, num_reqs, meta.num_tokens, len(tables[0]))
+                n, batch = meta.num_tokens, key[0]
+                assert torch.equal(after["slots"][n:], before["slots"][n:])
+                assert torch.equal(after["seq_lens"][num_reqs:batch], before["seq_lens"][num_reqs:batch])
+                assert torch.equal(after["positions"][:n], want_pos) and torch.equal(after["slots"][:n],
+                                                                                    want.slot_mapping)
