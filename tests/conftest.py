@@ -100,6 +100,19 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def trained_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """An EAGLE head trained briefly on the tiny target's own greedy text (tests/spec_decode/test_eagle.py)."""
+    from tests.spec_decode.test_eagle import train_tiny_head
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model gains nothing from more (tests/spec_decode/conftest.py: _one_thread)
+    try:
+        return train_tiny_head(tiny_llama_dir, tmp_path_factory.mktemp("eagle-head"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return build_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 

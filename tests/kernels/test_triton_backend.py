@@ -123,3 +123,28 @@ def test_gpu_backend_matches_torch_backend_bf16(block_size):
     (out, ref), _ = run_backends(meta, qkv, cache, 128 ** -0.5, sliding_window=512)
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < 1.5e-2
+
+
+def test_eagle_steps_launched_ahead_on_the_triton_kernels(tiny_llama_dir, trained_head_dir):
+    """The engine on the Triton attention kernels (the interpreter on a CPU, where the graphs are not
+    captured; a GPU runs test_eagle.py's graph case), drafting on the device with async drafting:
+    steps launched ahead of their predecessor's tokens are moved back on the device, and the kernels
+    read those context lengths and KV slots: greedy output is the torch backend's (fp32)."""
+    from specserve import LLM, SamplingParams
+    from tests.spec_decode.conftest import spec_prompts
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = dict(method="eagle", model=str(trained_head_dir), num_speculative_tokens=3, adaptive=False)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in spec_prompts()[:4]]
+    outs = {}
+    for name, kw in {"torch": dict(attention_backend="torch"),
+                     "triton": dict(attention_backend="triton", async_drafting=True)}.items():
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device=device, max_num_seqs=4, max_num_batched_tokens=64,
+                  block_size=8, async_scheduling=True, enforce_eager=True, speculative_config=spec, **kw)
+        llm.engine.proposer.drafts_on_device = True
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+        assert (stats["num_ahead_steps"] > 0) == (name == "triton") and stats["num_failed_steps"] == 0
+        assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_used_blocks"] == 0
+    assert outs["triton"] == outs["torch"]

@@ -71,14 +71,6 @@ def _one_thread():
 
 
 @pytest.fixture(scope="session")
-def trained_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
-    """An EAGLE head trained briefly on the tiny target's own greedy text (tests/spec_decode/test_eagle.py)."""
-    from tests.spec_decode.test_eagle import train_tiny_head
-
-    return train_tiny_head(tiny_llama_dir, tmp_path_factory.mktemp("eagle-head"))
-
-
-@pytest.fixture(scope="session")
 def fused_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     """The same, fusing the target's layer 0 with its final hidden state (method eagle3)."""
     from tests.spec_decode.test_eagle import train_tiny_head

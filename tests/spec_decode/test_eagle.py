@@ -522,18 +522,20 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
     fp32), and output is the torch backend's; also with a head that fuses target layers (the
     target's graphs return them), and with its weights in int8 (the Triton kernel in the graphs).
     The head's steady catch-ups (1 + k rows, one more after a step without drafts) replay its
-    executor's graphs, captured for up to 2 + k tokens per request."""
+    executor's graphs, captured for up to 2 + k tokens per request. With async drafting (steps
+    launched ahead of their predecessor's tokens, moved back in the graphs' buffers) the same."""
     prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
     args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
                 max_num_batched_tokens=64,
                 speculative_config=eagle_config(request.getfixturevalue(head), 3, quantization=quantization))
     runs = {}
     backends = {"torch": dict(attention_backend="torch"), "eager": dict(attention_backend="triton", enforce_eager=True),
-                "graph": dict(attention_backend="triton"), "host": dict(attention_backend="triton")}
+                "graph": dict(attention_backend="triton"), "host": dict(attention_backend="triton"),
+                "ahead": dict(attention_backend="triton", async_drafting=True)}
     for name, kw in backends.items():
         llm = LLM(str(tiny_llama_dir), **args, **kw)
         chain = llm.engine.proposer.chain_graphs
-        assert (chain is not None) == (name in ("graph", "host"))
+        assert (chain is not None) == (name in ("graph", "host", "ahead"))
         assert llm.engine.proposer.drafts_on_device  # on CUDA: verification and drafting with one wait
         llm.engine.proposer.drafts_on_device = name != "host"
         replays, catch_ups, graphed = [], [], []
@@ -549,7 +551,8 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
                       stats["spec_decode_num_accepted_tokens"])
         assert name != "graph" or len(replays) > 0
         assert chain is None or len(graphed) > len(catch_ups) / 2  # the rest: after prefills and gaps
-    assert runs["graph"] == runs["eager"] == runs["host"]
+        assert (stats["num_ahead_steps"] > 0) == (name == "ahead") and stats["num_failed_steps"] == 0
+    assert runs["graph"] == runs["eager"] == runs["host"] == runs["ahead"]
     assert runs["graph"][0] == runs["torch"][0] and runs["graph"][2] > 0
 
 

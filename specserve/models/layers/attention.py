@@ -15,6 +15,7 @@ change); keys before the window are masked.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -71,8 +72,9 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
-    if name == "triton" and device.type != "cuda":
-        raise ValueError("attention backend 'triton' needs a CUDA device; use --attention-backend torch")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention backend 'triton' needs a CUDA device (or, slowly, TRITON_INTERPRET=1); "
+                         "use --attention-backend torch")
     return _backend_class(name)()
 
 
