@@ -148,15 +148,14 @@ class ModelRunner:
 
     def drafts_ahead(self, step: LaunchedStep) -> list[int] | None:
         """For a verification in flight (`step`): the drafts it made on the device for each of its
-        requests, in its order, where every one of them samples and drafts (the steady state of a
-        drafting batch, which `Scheduler.schedule_ahead` may schedule the next step of); else None."""
+        requests, in its order (0: none), where every one of them samples, some drafted, and none was
+        held back from drafting (the steady state of a drafting batch, which `Scheduler.schedule_ahead`
+        may schedule the next step of); else None."""
         pending = step.verifying.pending
-        scheduled = step.sched.scheduled
-        if pending.tokens is None or len(pending.chained) != len(scheduled):
+        if pending.tokens is None or pending.held_back or not all(s.sample for s in step.sched.scheduled):
             return None
-        if any(slot.sched is not s for slot, s in zip(pending.chained, scheduled)):
-            return None
-        return [slot.k for slot in pending.chained]
+        ks = {slot.sched.request.request_id: slot.k for slot in pending.chained}
+        return [ks.get(s.request.request_id, 0) for s in step.sched.scheduled]
 
     def _ahead_inputs(self, sched: SchedulerOutput, prev: LaunchedStep) -> StepAhead:
         """What a step scheduled ahead of `prev`'s tokens takes from `prev` on the device: each
@@ -170,10 +169,11 @@ class ModelRunner:
              np.repeat(np.arange(len(counts), dtype=np.int64), counts)], torch.int64)
         ids = [s.request.request_id for s in sched.scheduled]
         tokens = PendingTokens(v.argmax[firsts_d + v.accepted], dict(zip(ids, range(len(ids)))), None, None)
-        drafted = v.pending.tokens
+        drafted = v.pending.tokens  # a row per request that drafted, in `chained` order
         width = drafted.shape[1]
-        drafts = DraftsInFlight(drafted.reshape(-1), dict(zip(ids, range(0, len(ids) * width, width))),
-                                {s.request.request_id: s.request for s in sched.scheduled}, None, None)
+        chained = [slot.sched.request for slot in v.pending.chained]
+        drafts = DraftsInFlight(drafted.reshape(-1), {r.request_id: i * width for i, r in enumerate(chained)},
+                                {r.request_id: r for r in chained}, None, None)
         return StepAhead(tokens, drafts, drafted_d - v.accepted, rows_d)
 
     def settle_ahead(self, step: LaunchedStep, prev: LaunchedStep) -> None:

@@ -157,8 +157,8 @@ class Scheduler:
     def schedule_ahead(self, prev: SchedulerOutput, ks: list[int]) -> SchedulerOutput | None:
         """The step after `prev`, scheduled while prev's verification is still on the device (async
         drafting): each of prev's requests computes 1 + k tokens (`ks`, in prev's order: the drafts
-        prev's step made for it on the device), placed where the request stands if every draft of
-        prev is accepted. The runner moves each request back on the device by the drafts prev
+        prev's step made for it on the device, maybe none), placed where the request stands if every
+        draft of prev is accepted. The runner moves each request back on the device by the drafts prev
         rejected (`ModelRunner.launch`), and its books once prev's tokens are known (`settle_ahead`).
         Only for a drafting batch's steady state: None when a waiting request could be admitted now
         (or a running one preempted for it), isolation runs, prev left a running request out, a
@@ -173,7 +173,7 @@ class Scheduler:
             # prev's tokens (up to 1 + its drafts) and this step's (1 + k): the drafts prev made are
             # kept whatever it accepts (`draft_room`), so the step computes what was scheduled
             need = len(s.spec_token_ids) + k + 2
-            if request.status != RequestStatus.RUNNING or k <= 0 or request.room(max_len) < need:
+            if request.status != RequestStatus.RUNNING or request.room(max_len) < need:
                 return None
         out = SchedulerOutput()
         out.num_batched_tokens = sum(1 + k for k in ks)

@@ -224,9 +224,11 @@ class EagleProposer:
         argmax of each row as the token: equal to the draft where it was accepted, the correction where
         not, rows past that untrusted, as the chain's are); its newest entry and context length are
         picked on the device by its accepted count; the chain reads them there. Nothing waits.
-        A step scheduled ahead of its predecessor's tokens (`step.ahead`) only follows requests that
-        drafted in that predecessor (whose entries are valid up to its newest token): its catch-up
-        covers its own rows alone, built at the host's positions and moved back on the device."""
+        A step scheduled ahead of its predecessor's tokens (`step.ahead`) drafts only for requests
+        that drafted in that predecessor (whose entries are valid up to its newest token): its
+        catch-up covers its own rows alone, built at the host's positions and moved back on the
+        device. Another request the plan would have draft is held back (`DeviceDrafts.held_back`:
+        the engine waits for this step before the next, whose plan starts it)."""
         sched, policy = step.sched, self.policy
         num_base, num_drafts = step_tokens(sched)
         policy.step_finished(num_base, num_drafts, len(step.logits_rows), None)
@@ -243,9 +245,13 @@ class EagleProposer:
         sources, query_lens, seq_lens, tables = [], [], [], []
         which, bases, lens = [], [], []  # per drafting request: its verification row, newest row and L at n = 0
         num_rows = 0
+        held_back = False
         for slot in slots:
             s = slot.sched
             self._probs.pop(s.request.request_id, None)
+            if step.ahead is not None and slot.k and s.request.request_id not in step.ahead.drafts.row_of:
+                held_back, slot.k = True, 0  # its head's entries are behind by tokens the host lacks
+                continue
             i, first, count = rows[s.request.request_id]
             known = s.start + s.num_tokens - count + 1  # positions [0, known) hold tokens the host has
             end = known + count  # entries up to the newest token if all drafts are accepted
@@ -269,7 +275,7 @@ class EagleProposer:
             tables.append(s.block_ids)
             chained.append(slot)
             starts.append(start)
-        pending = DeviceDrafts(sched, chained, starts, None)
+        pending = DeviceDrafts(sched, chained, starts, None, held_back)
         if not chained:
             return pending
         ks = [slot.k for slot in chained]
@@ -491,3 +497,4 @@ class DeviceDrafts:
     chained: list[DraftSlot]  # those that draft, in the order of `tokens`' rows
     starts: list[int]  # per chained request: the first head entry its catch-up wrote
     tokens: torch.Tensor | None  # [len(chained), max k] int64
+    held_back: bool = False  # a step ahead kept a request from drafting (`draft_on_device`)

@@ -4,6 +4,7 @@ greedy / random batches, async scheduling); random sampling keeps the target's d
 heads that do not fit the target are refused."""
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 
@@ -845,3 +846,40 @@ def test_requests_ending_while_a_step_runs_ahead_of_them(tiny_llama_dir, trained
     assert eng.kv_manager.pool.num_used_blocks == 0
     proposer = eng.proposer
     assert not proposer.entries.computed and not proposer._probs and not proposer.policy._est
+
+
+def test_steps_ahead_of_a_batch_where_some_requests_do_not_draft(tiny_llama_dir, trained_head_dir):
+    """Adaptive k may give some requests of a batch no drafts: a step launched ahead then computes
+    one token for each of those (the token after its accepted drafts, on the device) beside the
+    others' verifications, and a request that did not draft before is held back from starting in a
+    step ahead (its head's entries lag by tokens the host does not have yet; the engine waits for that
+    step before the next, which starts it). Output is the target's, nothing leaks."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"], async_scheduling=True,
+              async_drafting=True, speculative_config=eagle_config(trained_head_dir, 3))
+    eng = llm.engine
+    eng.proposer.drafts_on_device = True
+    policy, plans = eng.proposer.policy, [0]
+    plan = policy.plan
+
+    def patchy_plan(rooms, *a, **k):  # every request sits out one plan in three, each at its own turn
+        plans[0] += 1
+        return {r: 0 if (plans[0] + int(r.rsplit("-", 1)[-1])) % 3 == 0 else n
+                for r, n in plan(rooms, *a, **k).items()}
+
+    policy.plan = patchy_plan
+    launch, kinds = eng.runner.launch, collections.Counter()
+
+    def spy_launch(sched, prev=None, defer=False, ahead_of=None):
+        step = launch(sched, prev, defer, ahead_of)
+        if ahead_of is not None:
+            kinds["partial" if any(not s.spec_token_ids for s in sched.scheduled) else "full"] += 1
+            kinds["held back"] += step.verifying.pending.held_back
+        return step
+
+    eng.runner.launch = spy_launch
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], LONG)
+    assert [o.outputs[0].token_ids for o in outs] == long_reference(tiny_llama_dir, "mixed")
+    assert kinds["partial"] > 5 and kinds["held back"] > 5, kinds
+    stats = eng.stats()
+    assert stats["num_failed_steps"] == 0 and stats["num_used_blocks"] == 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0 and not eng.proposer.entries.computed
