@@ -22,6 +22,7 @@ else:
     from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
     from specserve.kernels.attention_config import KernelConfig, select_configs
     from specserve.kernels.int8_linear import int8_linear, ref_int8_linear
+    from specserve.kernels.move_back import move_back, warm_up_move_back
     from specserve.kernels.paged_attention import paged_attention, ref_paged_attention, warm_up_paged_attention
     from specserve.kernels.reshape_and_cache import ref_reshape_and_cache, reshape_and_cache
     from specserve.kernels.rms_norm import ref_rms_norm, rms_norm
@@ -30,6 +31,7 @@ else:
     __all__ = [
         "KernelConfig",
         "int8_linear",
+        "move_back",
         "paged_attention",
         "ref_int8_linear",
         "ref_paged_attention",
@@ -42,5 +44,6 @@ else:
         "rotary_embedding",
         "select_configs",
         "silu_and_mul",
+        "warm_up_move_back",
         "warm_up_paged_attention",
     ]

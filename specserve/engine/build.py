@@ -127,6 +127,10 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
     if device.type == "cuda" and backend.name == "triton":
         for executor in executors:
             executor.warm_up_kernels(max_len)
+    if device.type == "cuda" and sc.async_drafting and getattr(proposer, "drafts_on_device", False):
+        from specserve.kernels import warm_up_move_back  # steps ahead move back in one launch
+
+        warm_up_move_back(device, cc.block_size)
     if device.type == "cuda" and not config.enforce_eager and backend.name == "triton" \
             and cuda_graph_safe(loaded.model, draft):
         k = config.spec.num_speculative_tokens if config.spec else 0

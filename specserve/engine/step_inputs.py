@@ -332,18 +332,33 @@ class StepAhead:
     rows: torch.Tensor  # [num_tokens] int64, device: the request of each of the step's tokens
 
     def move_back(self, positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
-                  reqs: torch.Tensor | None = None) -> torch.Tensor:
+                  reqs: torch.Tensor | None = None, sources: torch.Tensor | None = None) -> None:
         """Move a batch built at the host's positions (the step's, or a proposer's over the same
-        positions) back where the device has its requests, in place: positions, context lengths and
-        KV slots (from the block tables; padding past `rows` is left as it is). `rows`: each token's
-        request in the batch; `reqs`: each of the batch's requests in the step (None: the same).
-        Returns the new positions [len(rows)]."""
-        back = self.back if reqs is None else self.back[reqs]
-        num = len(rows)
-        pos = positions[:num]
-        pos.sub_(back[rows])
-        seq_lens = meta.seq_lens[:len(back)]
-        seq_lens.sub_(back.to(seq_lens.dtype))
-        bs = meta.block_size
-        meta.slot_mapping[:num] = meta.block_tables[rows, pos // bs].long() * bs + pos % bs
-        return pos
+        positions) back where the device has its requests, in place: positions, KV slots (from the
+        block tables) and context lengths; padding past them is left as it is. `rows`: each token's
+        request in the batch (its row of the block tables); `reqs`: each of the batch's requests in
+        the step (None: the same); `sources`: also write there each token's previous position's slot.
+        One Triton launch on CUDA (kernels/move_back.py), torch ops elsewhere."""
+        args = (positions, meta.slot_mapping, meta.seq_lens, meta.block_tables, meta.block_size, rows, self.back,
+                reqs, sources)
+        if positions.is_cuda:
+            from specserve.kernels.move_back import move_back
+
+            move_back(*args)
+        else:
+            move_back_torch(*args)
+
+
+def move_back_torch(positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, block_size: int, rows: torch.Tensor, back: torch.Tensor,
+                    reqs: torch.Tensor | None = None, sources: torch.Tensor | None = None) -> None:
+    """`StepAhead.move_back` in torch ops (kernels/move_back.py: the same in one launch)."""
+    num_tokens = rows.shape[0]
+    behind = back if reqs is None else back[reqs]  # per request of the batch that moves
+    pos = positions[:num_tokens]
+    pos.sub_(behind[rows])
+    seq_lens[:behind.shape[0]].sub_(behind.to(seq_lens.dtype))
+    slot_mapping[:num_tokens] = block_tables[rows, pos // block_size].long() * block_size + pos % block_size
+    if sources is not None:
+        prev = pos - 1
+        sources[:num_tokens] = block_tables[rows, prev // block_size].long() * block_size + prev % block_size

@@ -307,9 +307,7 @@ class EagleProposer:
         which_d = None if every_request else next(optional)
         n = step.num_accepted if which_d is None else step.num_accepted[which_d]
         if ahead is not None:  # the host's positions, its sources and L, moved back on the device
-            rows_d = next(optional)
-            prev = ahead.move_back(positions, meta, rows_d, which_d) - 1
-            src_d[:num_rows] = meta.block_tables[rows_d, prev // bs].long() * bs + prev % bs
+            ahead.move_back(positions, meta, next(optional), which_d, sources=src_d)
             n = torch.stack([n, n - (ahead.back if which_d is None else ahead.back[which_d])])
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
         ends = ends_d.view(2, -1) + n  # per request: its newest row in g and its context length L
