@@ -77,6 +77,10 @@ class LLMEngine:
         # (under tensor parallelism the workers take each step's metadata from the host)
         self.async_drafting = (self.async_scheduling and parts.config.scheduler.async_drafting
                                and parts.config.parallel.tensor_parallel_size == 1)
+        if parts.config.scheduler.async_drafting and not (
+                self.async_drafting and getattr(parts.runner.proposer, "drafts_on_device", False)):
+            logger.warning("async drafting does not apply here: it needs async scheduling, one GPU and an EAGLE "
+                           "head drafting on the device (CUDA)")
         self.num_ahead_steps = 0  # steps launched ahead of their predecessor's tokens (async drafting)
         self._inflight = None  # a launched step whose tokens are still on the device (LaunchedStep)
         self._touched: dict[str, _Group] = {}  # groups with news since the last step() returned

@@ -39,6 +39,10 @@ def test_precedence_command_line_over_yaml_over_env_over_defaults(tmp_path):
     assert a.dtype == "auto" and a.block_size == 16 and a.model is None  # defaults
     config = engine_config_from_args(model=a.model, **engine_kwargs(a))
     assert config.spec.num_speculative_tokens == 2 and config.cache.enable_prefix_caching is False
+    assert config.scheduler.async_drafting is False  # off unless asked for
+    a = _resolve(["--async-drafting", "--no-async-scheduling"], {})
+    config = engine_config_from_args(model=a.model, **engine_kwargs(a))
+    assert config.scheduler.async_drafting is True and config.scheduler.async_scheduling is False
 
 
 def test_env_and_yaml_values_are_checked(tmp_path):
