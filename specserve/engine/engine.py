@@ -135,7 +135,7 @@ class LLMEngine:
         self.kv_manager.reset_prefix_cache()
         self.kv_manager.prefix_stats = type(self.kv_manager.prefix_stats)()
         self.spec_stats = SpecDecodingStats(len(self.spec_stats.accepted_per_pos))
-        self.num_deferred_steps = self.scheduler.num_preemptions = 0
+        self.num_deferred_steps = self.num_ahead_steps = self.scheduler.num_preemptions = 0
         policy = getattr(self.proposer, "policy", None)
         if policy is not None:  # adaptive k: the warm-up's step times (compiles) are no guide
             policy.forget_measurements()
