@@ -65,7 +65,7 @@ def decode_steps(llm: LLM, concurrency: int, args, profile: cProfile.Profile | N
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps_wanted * (args.k + 1) + 8, ignore_eos=True)
     for i in range(concurrency):
-        prompt = [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
+        prompt = [rng.randrange(3, min(1000, engine.model_info().vocab_size)) for _ in range(args.prompt_len)]
         engine.add_request(f"p{time.monotonic_ns()}-{i}", {"prompt_token_ids": prompt}, params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -127,6 +127,9 @@ def _time_phases(engine, phases: collections.Counter, annotate: bool = False, fi
     if fine:
         targets += [(engine, "_finish"), (engine, "_update"), (engine.scheduler, "advance"),
                     (engine.spec_stats, "observe"), (runner, "_settle_drafts"), (runner, "_to_host")]
+        if engine.async_drafting:  # --async-drafting: a step launched ahead and its books
+            targets += [(engine, "_step_ahead"), (engine.scheduler, "schedule_ahead"), (runner, "_ahead_inputs"),
+                        (runner, "settle_ahead")]
         if runner.target.graphs is not None:
             targets.append((runner.target.graphs, "run"))
         if torch.cuda.is_available():  # the host's waits for the device
