@@ -22,7 +22,7 @@ else:
     from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
     from specserve.kernels.attention_config import KernelConfig, select_configs
     from specserve.kernels.int8_linear import int8_linear, ref_int8_linear
-    from specserve.kernels.move_back import move_back, warm_up_move_back
+    from specserve.kernels.move_back import move_back, ref_move_back, warm_up_move_back
     from specserve.kernels.paged_attention import paged_attention, ref_paged_attention, warm_up_paged_attention
     from specserve.kernels.reshape_and_cache import ref_reshape_and_cache, reshape_and_cache
     from specserve.kernels.rms_norm import ref_rms_norm, rms_norm
@@ -34,6 +34,7 @@ else:
         "move_back",
         "paged_attention",
         "ref_int8_linear",
+        "ref_move_back",
         "ref_paged_attention",
         "ref_reshape_and_cache",
         "ref_rms_norm",

@@ -1,4 +1,4 @@
-"""move_back (Triton, one launch) against the engine's torch ops (`move_back_torch`) and a plain loop:
+"""move_back (Triton, one launch) against ref_move_back (the engine's torch ops) and a plain loop:
 a step built ahead of its predecessor's tokens moved back where its requests stand (async drafting)."""
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from specserve.engine.step_inputs import move_back_torch
-from specserve.kernels import move_back, warm_up_move_back
+from specserve.kernels import move_back, ref_move_back, warm_up_move_back
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -57,7 +56,7 @@ def test_move_back_matches_the_torch_ops_and_a_loop(subset, with_sources):
         positions, slots, seq_lens, tables, rows, back, reqs, sources = case
         want = oracle(positions, slots, seq_lens, tables[:-1], block_size, rows, back, reqs, sources)
         got = {}
-        for name, fn, device in (("torch", move_back_torch, torch.device("cpu")), ("triton", move_back, DEVICE)):
+        for name, fn, device in (("torch", ref_move_back, torch.device("cpu")), ("triton", move_back, DEVICE)):
             t = [x.clone().to(device) if x is not None else None for x in case]
             p, s, lens, tab, rw, bk, rq, src = t
             fn(p, s, lens, tab[:-1], block_size, rw, bk, rq, src if with_sources else None)
