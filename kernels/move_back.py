@@ -8,7 +8,7 @@ For each token t of request `rows[t]` (its row of the block tables; `reqs[rows[t
 slot of the position before it (an EAGLE head's catch-up reads the target's hidden state there); and
 per request, seq_lens[r] -= back. In place, no host syncs (a CUDA graph's buffers, the step's own
 tensors). The reference, `ref_move_back`, is the engine's torch version of the same (what it runs off CUDA,
-where this module cannot be imported without Triton: engine/step_inputs.py, `move_back_torch`): eleven
+where this module cannot be imported without Triton: specserve/engine/move_back.py): eleven
 small launches against one here, on the host's path of every step ahead.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.engine.step_inputs import move_back_torch as ref_move_back  # noqa: F401 - the oracle
+from specserve.engine.move_back import move_back_torch as ref_move_back  # noqa: F401 - the oracle
 
 BLOCK = 128
 

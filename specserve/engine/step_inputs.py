@@ -14,6 +14,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from specserve.engine.move_back import move_back_torch
 from specserve.engine.outputs import DRAFT_PLACEHOLDER, ScheduledRequest  # noqa: F401 (the runner's name for it)
 from specserve.models.layers.attention import PAD_SLOT_ID, AttentionMetadata
 
@@ -347,18 +348,3 @@ class StepAhead:
             move_back(*args)
         else:
             move_back_torch(*args)
-
-
-def move_back_torch(positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
-                    block_tables: torch.Tensor, block_size: int, rows: torch.Tensor, back: torch.Tensor,
-                    reqs: torch.Tensor | None = None, sources: torch.Tensor | None = None) -> None:
-    """`StepAhead.move_back` in torch ops (kernels/move_back.py: the same in one launch)."""
-    num_tokens = rows.shape[0]
-    behind = back if reqs is None else back[reqs]  # per request of the batch that moves
-    pos = positions[:num_tokens]
-    pos.sub_(behind[rows])
-    seq_lens[:behind.shape[0]].sub_(behind.to(seq_lens.dtype))
-    slot_mapping[:num_tokens] = block_tables[rows, pos // block_size].long() * block_size + pos % block_size
-    if sources is not None:
-        prev = pos - 1
-        sources[:num_tokens] = block_tables[rows, prev // block_size].long() * block_size + prev % block_size
