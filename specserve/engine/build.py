@@ -156,8 +156,12 @@ def with_device_defaults(config: EngineConfig, device: torch.device) -> EngineCo
         tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
     # async scheduling: on by default on CUDA (README)
     overlap = sc.async_scheduling if sc.async_scheduling is not None else device.type == "cuda"
+    # async drafting (asked for): on top of async scheduling, on one device (under tensor parallelism the
+    # workers take each step's metadata from the host, which a step ahead moves on the device)
+    drafting = sc.async_drafting and overlap and config.parallel.tensor_parallel_size == 1
     return dataclasses.replace(config, scheduler=dataclasses.replace(sc, max_num_batched_tokens=tokens,
-                                                                     async_scheduling=overlap))
+                                                                     async_scheduling=overlap,
+                                                                     async_drafting=drafting))
 
 
 def _model_path(config: EngineConfig) -> tuple[str, str]:

@@ -73,11 +73,10 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
         self.async_scheduling = bool(parts.config.scheduler.async_scheduling)  # resolved by the builder
-        # a drafting step's successor launched before its tokens are known (`_step_ahead`): one device
-        # (under tensor parallelism the workers take each step's metadata from the host)
-        self.async_drafting = (self.async_scheduling and parts.config.scheduler.async_drafting
-                               and parts.config.parallel.tensor_parallel_size == 1)
-        if parts.config.scheduler.async_drafting and not (
+        # a drafting step's successor launched before its tokens are known (`_step_ahead`), where the
+        # builder resolved it possible
+        self.async_drafting = parts.config.scheduler.async_drafting
+        if config.scheduler.async_drafting and not (
                 self.async_drafting and getattr(parts.runner.proposer, "drafts_on_device", False)):
             logger.warning("async drafting does not apply here: it needs async scheduling, one GPU and an EAGLE "
                            "head drafting on the device (CUDA)")
@@ -399,14 +398,14 @@ class LLMEngine:
             self._finish(launched)
 
     def _step_ahead(self, prev) -> bool:
-        """Async drafting: launch the step after `prev` (a verification in flight whose requests all
-        drafted their next tokens on the device) before prev's tokens are known, then collect prev.
+        """Async drafting: launch the step after `prev` (a verification in flight whose requests drafted
+        their next tokens on the device, or some of them) before prev's tokens are known, then collect prev.
         The device starts the next verification right behind prev's drafts, so the host's books for
         prev's tokens, their way to the caller and the next step's scheduling all overlap the device's
         work. The step is scheduled as if prev accepted every draft (`Scheduler.schedule_ahead`); the
         runner moves it back on the device, and its books once prev is collected. False (nothing
-        launched) outside a drafting batch's steady state: requests waiting, some not drafting, too
-        little room left near a length limit."""
+        launched) outside a drafting batch's steady state: a request that could be admitted, none
+        drafting or one held back from starting, too little room left near a length limit."""
         ks = self.runner.drafts_ahead(prev)
         sched = self.scheduler.schedule_ahead(prev.sched, ks) if ks is not None else None
         if sched is None:
