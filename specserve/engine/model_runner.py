@@ -149,8 +149,8 @@ class ModelRunner:
     def drafts_ahead(self, step: LaunchedStep) -> list[int] | None:
         """For a verification in flight (`step`): the drafts it made on the device for each of its
         requests, in its order (0: none), where every one of them samples, some drafted, and none was
-        held back from drafting (the steady state of a drafting batch, which `Scheduler.schedule_ahead`
-        may schedule the next step of); else None."""
+        held back from drafting (a drafting batch, which `Scheduler.schedule_ahead` may schedule the
+        next step of); else None."""
         pending = step.verifying.pending
         if pending.tokens is None or pending.held_back or not all(s.sample for s in step.sched.scheduled):
             return None
@@ -174,7 +174,8 @@ class ModelRunner:
         chained = [slot.sched.request for slot in v.pending.chained]
         drafts = DraftsInFlight(drafted.reshape(-1), {r.request_id: i * width for i, r in enumerate(chained)},
                                 {r.request_id: r for r in chained}, None, None)
-        return StepAhead(tokens, drafts, drafted_d - v.accepted, rows_d)
+        in_place = frozenset(s.request.request_id for s, _, count in v.rows if count == 1)
+        return StepAhead(tokens, drafts, drafted_d - v.accepted, rows_d, in_place)
 
     def settle_ahead(self, step: LaunchedStep, prev: LaunchedStep) -> None:
         """`prev` is collected (its tokens are on the host): the books of `step`, launched ahead of

@@ -325,12 +325,14 @@ class StepAhead:
     `Scheduler.schedule_ahead`): the host placed each request as if every draft of the predecessor
     were accepted; on the device each is `back` positions behind that (the drafts it rejected). The
     step's inputs take the predecessor's last tokens (`tokens`: the target's token after its accepted
-    drafts) and its drafts (`drafts`) on the device."""
+    drafts) and its drafts (`drafts`) on the device. A request the predecessor verified no drafts of
+    is where the host placed it (`in_place`: its back is 0)."""
 
     tokens: PendingTokens
     drafts: DraftsInFlight
     back: torch.Tensor  # [num_reqs] int64, device: per request of the step, in its order
     rows: torch.Tensor  # [num_tokens] int64, device: the request of each of the step's tokens
+    in_place: frozenset[str] = frozenset()  # ids of the requests whose back is 0, known on the host
 
     def move_back(self, positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
                   reqs: torch.Tensor | None = None, sources: torch.Tensor | None = None) -> None:

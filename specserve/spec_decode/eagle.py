@@ -224,12 +224,15 @@ class EagleProposer:
         argmax of each row as the token: equal to the draft where it was accepted, the correction where
         not, rows past that untrusted, as the chain's are); its newest entry and context length are
         picked on the device by its accepted count; the chain reads them there. Nothing waits.
-        A step scheduled ahead of its predecessor's tokens (`step.ahead`) drafts only for requests
-        that drafted in that predecessor (whose entries are valid up to its newest token): its
-        catch-up covers its own rows alone, built at the host's positions and moved back on the
-        device. Another request the plan would have draft is held back (`DeviceDrafts.held_back`:
-        the engine waits for this step before the next, whose plan starts it)."""
-        sched, policy = step.sched, self.policy
+        A step scheduled ahead of its predecessor's tokens (`step.ahead`) drafts for requests that
+        drafted in that predecessor (whose entries are valid up to its newest token: the catch-up
+        covers its own rows alone, built at the host's positions and moved back on the device), and
+        for requests the predecessor verified no drafts of (`ahead.in_place`: placed where they are;
+        the catch-up reads their newest known token, still in flight, on the device). Another request
+        the plan would have draft is held back (`DeviceDrafts.held_back`: its entries lag by drafts
+        whose fate the host does not know; the engine waits for this step before the next, whose plan
+        starts it)."""
+        sched, policy, ahead = step.sched, self.policy, step.ahead
         num_base, num_drafts = step_tokens(sched)
         policy.step_finished(num_base, num_drafts, len(step.logits_rows), None)
         policy.proposals_made()  # this step drafts the next one's within its own time
@@ -238,37 +241,55 @@ class EagleProposer:
         self._wake_instead_of_drafting(step.hidden, slots)
         self._store(step.hidden, step.slot_mapping)
         bs, num_logits = self.entries.block_size, step.argmax.shape[0]
-        chained: list[DraftSlot] = []
-        starts: list[int] = []
-        host_ids: list[int] = []
-        picks: list[int] = []  # per catch-up row: its token in cat(argmax, host_ids)
-        sources, query_lens, seq_lens, tables = [], [], [], []
-        which, bases, lens = [], [], []  # per drafting request: its verification row, newest row and L at n = 0
-        num_rows = 0
+        plans = []  # (slot, first entry to compute, the first position whose token is on the device)
         held_back = False
         for slot in slots:
             s = slot.sched
-            self._probs.pop(s.request.request_id, None)
-            if step.ahead is not None and slot.k and s.request.request_id not in step.ahead.drafts.row_of:
-                held_back, slot.k = True, 0  # its head's entries are behind by tokens the host lacks
-                continue
-            i, first, count = rows[s.request.request_id]
-            known = s.start + s.num_tokens - count + 1  # positions [0, known) hold tokens the host has
+            req_id = s.request.request_id
+            self._probs.pop(req_id, None)
+            _, _, count = rows[req_id]
+            known = s.start + s.num_tokens - count + 1  # positions [0, known) hold the verified input
             end = known + count  # entries up to the newest token if all drafts are accepted
             # the chain's entries stay within the request's KV slots whatever is accepted
-            slot.k = min(slot.k, min(len(s.block_ids) * bs, self.max_model_len) - end + 1)
-            if slot.k <= 0:
-                slot.k = 0
+            slot.k = max(0, min(slot.k, min(len(s.block_ids) * bs, self.max_model_len) - end + 1))
+            if not slot.k:
                 continue
-            # ahead: the books of the predecessor's catch-up are kept later (`drafted`); it covered known
-            start = known if step.ahead is not None else self.entries.valid(s, known)
-            picks += range(num_logits + len(host_ids), num_logits + len(host_ids) + known - start)
+            if ahead is None:
+                plans.append((slot, self.entries.valid(s, known), known))
+            elif req_id in ahead.drafts.row_of:  # the predecessor's catch-up covered [.., known) (books: `drafted`)
+                plans.append((slot, known, known))
+            elif req_id in ahead.in_place:  # its token at known - 1 is the predecessor's, in flight
+                plans.append((slot, self.entries.valid(s, known - 1), known - 1))
+            else:
+                held_back, slot.k = True, 0
+        if ahead is not None:  # those the step moves back first: the move's rows are theirs alone
+            plans.sort(key=lambda plan: plan[0].sched.request.request_id not in ahead.drafts.row_of)
+        # the catch-up's token ids are picked from cat(argmax, the predecessor's tokens in flight, host ids)
+        host_base = num_logits + (ahead.tokens.tokens.shape[0] if ahead is not None else 0)
+        chained: list[DraftSlot] = []
+        starts: list[int] = []
+        host_ids: list[int] = []
+        picks: list[int] = []  # per catch-up row: its token's index in cat(...) above
+        sources, query_lens, seq_lens, tables = [], [], [], []
+        which, bases, lens = [], [], []  # per drafting request: its verification row, newest row and L at n = 0
+        num_rows = num_moved = 0  # catch-up rows in all; those of requests that move back
+        for slot, start, on_host in plans:
+            s = slot.sched
+            req_id = s.request.request_id
+            i, first, count = rows[req_id]
+            known = s.start + s.num_tokens - count + 1
+            end = known + count
+            picks += range(host_base + len(host_ids), host_base + len(host_ids) + on_host - start)
+            if on_host < known:
+                picks.append(num_logits + ahead.tokens.row_of[req_id])
             picks += range(first, first + count)
-            host_ids += _context(s.request, [], start, known)
+            host_ids += _context(s.request, [], start, on_host)
             sources.append(self._sources(s.block_ids, start, end))
             which.append(i)
             bases.append(num_rows + known - start)
             num_rows += end - start
+            if ahead is not None and req_id in ahead.drafts.row_of:
+                num_moved += end - start
             lens.append(known + 1)
             query_lens.append(end - start)
             seq_lens.append(end)
@@ -294,16 +315,17 @@ class EagleProposer:
         # the catch-up's, every verifying request drafts)
         own_ids = not host_ids and picks == list(range(num_logits))
         every_request = which == list(range(len(step.logits_rows)))
-        ahead = step.ahead
         positions, meta, (src_d, ks_d, ends_d, *optional) = batch_metadata(
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
             extra_int64=[np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, bases + lens)] +
             ([] if own_ids else [np.asarray(a, dtype=np.int64) for a in (host_ids, picks)]) +
             ([] if every_request else [np.asarray(which, dtype=np.int64)]) +
-            ([] if ahead is None else [np.repeat(np.arange(len(chained), dtype=np.int64), query_lens[:len(chained)])]),
+            ([] if ahead is None else [np.repeat(np.arange(len(chained), dtype=np.int64),
+                                                 query_lens[:len(chained)])[:num_moved]]),
             padding_from=num_rows if padding else None, graphs=ex.graphs)
         optional = iter(optional)  # host ids and picks, then which, then rows: those uploaded, in that order
-        ids_d = step.argmax if own_ids else torch.cat([step.argmax, next(optional)])[next(optional)]
+        ids_d = step.argmax if own_ids else torch.cat(
+            [step.argmax] + ([] if ahead is None else [ahead.tokens.tokens]) + [next(optional)])[next(optional)]
         which_d = None if every_request else next(optional)
         n = step.num_accepted if which_d is None else step.num_accepted[which_d]
         if ahead is not None:  # the host's positions, its sources and L, moved back on the device

@@ -848,22 +848,21 @@ def test_requests_ending_while_a_step_runs_ahead_of_them(tiny_llama_dir, trained
     assert not proposer.entries.computed and not proposer._probs and not proposer.policy._est
 
 
-def test_steps_ahead_of_a_batch_where_some_requests_do_not_draft(tiny_llama_dir, trained_head_dir):
-    """Adaptive k may give some requests of a batch no drafts: a step launched ahead then computes
-    one token for each of those (the token after its accepted drafts, on the device) beside the
-    others' verifications, and a request that did not draft before is held back from starting in a
-    step ahead (its head's entries lag by tokens the host does not have yet; the engine waits for that
-    step before the next, which starts it). Output is the target's, nothing leaks."""
-    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"], async_scheduling=True,
-              async_drafting=True, speculative_config=eagle_config(trained_head_dir, 3))
+def _patchy_run(model_dir, spec: dict, period: int, pause: int, async_drafting: bool, questions=None,
+                params=LONG, **engine):
+    """Greedy requests drafting on the device under async scheduling (`questions`: chat prompts,
+    else spec_prompts()), every one of them sitting out `pause` plans in `period` (each at its own
+    turn): outputs, the drafts' counts, and what the steps launched ahead did."""
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", **(engine or ENGINE_ARGS["mixed"]),
+              async_scheduling=True, async_drafting=async_drafting, speculative_config=spec)
     eng = llm.engine
     eng.proposer.drafts_on_device = True
     policy, plans = eng.proposer.policy, [0]
     plan = policy.plan
 
-    def patchy_plan(rooms, *a, **k):  # every request sits out one plan in three, each at its own turn
+    def patchy_plan(rooms, *a, **k):
         plans[0] += 1
-        return {r: 0 if (plans[0] + int(r.rsplit("-", 1)[-1])) % 3 == 0 else n
+        return {r: 0 if (plans[0] + int(r.rsplit("-", 1)[-1])) % period < pause else n
                 for r, n in plan(rooms, *a, **k).items()}
 
     policy.plan = patchy_plan
@@ -873,13 +872,61 @@ def test_steps_ahead_of_a_batch_where_some_requests_do_not_draft(tiny_llama_dir,
         step = launch(sched, prev, defer, ahead_of)
         if ahead_of is not None:
             kinds["partial" if any(not s.spec_token_ids for s in sched.scheduled) else "full"] += 1
-            kinds["held back"] += step.verifying.pending.held_back
+            pending = step.verifying.pending
+            kinds["held back"] += pending.held_back
+            before = {slot.sched.request.request_id for slot in ahead_of.verifying.pending.chained}
+            kinds["started"] += any(slot.sched.request.request_id not in before for slot in pending.chained)
         return step
 
     eng.runner.launch = spy_launch
-    outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()], LONG)
-    assert [o.outputs[0].token_ids for o in outs] == long_reference(tiny_llama_dir, "mixed")
-    assert kinds["partial"] > 5 and kinds["held back"] > 5, kinds
+    prompts = ([eng.intake.chat([{"role": "user", "content": q}]) for q in questions] if questions else
+               [{"prompt_token_ids": p} for p in spec_prompts()])
+    outs = llm.generate(prompts, params)
+    eng.step()  # the books of requests that ended go at the next step (none runs here)
     stats = eng.stats()
     assert stats["num_failed_steps"] == 0 and stats["num_used_blocks"] == 0
-    assert stats["spec_decode_num_accepted_tokens"] > 0 and not eng.proposer.entries.computed
+    assert not eng.proposer.entries.computed
+    counts = (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
+              stats["spec_decode_num_accepted_tokens"])
+    return [o.outputs[0].token_ids for o in outs], counts, kinds
+
+
+@pytest.mark.parametrize("period,pause", [(3, 1), (5, 2)])
+def test_steps_ahead_of_a_batch_where_some_requests_do_not_draft(tiny_llama_dir, trained_head_dir, period, pause):
+    """Adaptive k may give some requests of a batch no drafts: a step launched ahead then computes
+    one token for each of those (the token after its accepted drafts, on the device) beside the
+    others' verifications. A request whose step before verified no drafts (a pause of two plans or
+    more) starts drafting in a step ahead: its catch-up reads its newest token, still in flight, on
+    the device. One that paused for one plan only is held back from starting there (its head's
+    entries lag by drafts whose fate the host does not know yet; the engine waits for that step
+    before the next, which starts it: it drafts one step later than without steps ahead). Output is
+    the target's; where nobody is held back, with the very drafts and acceptance of the same plans
+    without steps ahead; nothing leaks."""
+    spec = eagle_config(trained_head_dir, 3)
+    want, counts, _ = _patchy_run(tiny_llama_dir, spec, period, pause, False)
+    got, got_counts, kinds = _patchy_run(tiny_llama_dir, spec, period, pause, True)
+    assert got == want == long_reference(tiny_llama_dir, "mixed")
+    assert kinds["partial"] > 5, kinds
+    if pause == 1:
+        assert kinds["held back"] > 5 and got_counts[2] > 0, kinds
+    else:
+        assert kinds["started"] > 5 and not kinds["held back"], kinds
+        assert got_counts == counts and counts[2] > 0
+
+
+
+def test_requests_start_drafting_in_steps_ahead_with_the_shipped_head(default_model_dir):
+    """The default model and its shipped head, whose drafts read the text (the tiny model's greedy
+    text repeats one token, so a catch-up fed a neighbour's token drafts the same there): requests
+    that start drafting in a step launched ahead, their newest token still in flight, draft exactly
+    as they do without steps ahead (the same drafts accepted), and the output is the target's."""
+    questions = ["Write a short story about a cat who learns to fly.", "List three uses of a paperclip.",
+                 "Explain why the sky is blue in two sentences.", "What is the capital of France? Answer briefly."]
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "adaptive": False}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine = dict(max_model_len=512, num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    want, counts, _ = _patchy_run(default_model_dir, spec, 5, 2, False, questions, params, **engine)
+    got, got_counts, kinds = _patchy_run(default_model_dir, spec, 5, 2, True, questions, params, **engine)
+    assert got == want
+    assert kinds["started"] > 5 and not kinds["held back"], kinds
+    assert got_counts == counts and counts[2] > counts[1] / 4, counts
