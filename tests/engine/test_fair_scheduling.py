@@ -94,7 +94,8 @@ def test_a_step_is_scheduled_ahead_only_where_nobody_could_be_admitted():
     """Async drafting schedules a drafting batch's next step before its tokens are known
     (`schedule_ahead`) only while no waiting request could take a slot: a queue behind a full batch
     of its own owner does not stop it; a newcomer owner (a slot by preemption), a free slot with a
-    request waiting, or too little room before max_tokens does. Placed as if every draft were accepted."""
+    request waiting, or a position that may lie past max_model_len does. Placed as if every draft were
+    accepted; near max_tokens with the drafts that fit whatever its predecessor accepts."""
     s = scheduler(2)
     s.config.max_model_len = 256
     for i in range(3):
@@ -112,6 +113,14 @@ def test_a_step_is_scheduled_ahead_only_where_nobody_could_be_admitted():
     assert s.schedule_ahead(prev, [3, 3]) is None
     s.finish_request("b0", RequestStatus.FINISHED_ABORTED)
     assert s.schedule_ahead(prev, [3, 3]) is not None
-    # 6 tokens left: fewer than prev's 1 + 2 and this step's 1 + 3 may need (its drafts would be cut)
-    s.requests["a0"].sampling_params.max_tokens = 7
+    # near max_tokens a request verifies the drafts that fit whatever prev accepts: 6 tokens left are
+    # prev's 1 + 2 and this step's 1 + 2; 3 left, prev accepting both drafts ends it (none then)
+    a0 = s.requests["a0"]
+    a0.sampling_params.max_tokens = a0.num_output_tokens + 6
+    assert [len(r.spec_token_ids) for r in s.schedule_ahead(prev, [3, 3]).scheduled] == [2, 3]
+    a0.sampling_params.max_tokens = a0.num_output_tokens + 3
+    ahead = s.schedule_ahead(prev, [3, 3])
+    assert [(r.num_tokens, len(r.spec_token_ids)) for r in ahead.scheduled] == [(1, 0), (4, 3)]
+    # a request whose next position may lie past max_model_len: none
+    s.config.max_model_len = prev.scheduled[0].start + prev.scheduled[0].num_tokens
     assert s.schedule_ahead(prev, [3, 3]) is None

@@ -179,13 +179,31 @@ def _run_on_device(model_dir, args: str, spec: dict, on_device: bool, prompts=No
     calls = []
     draft = proposer.draft_on_device
     proposer.draft_on_device = lambda step: calls.append(step) or draft(step)
+    history = _drafting_history(proposer)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts or spec_prompts()], params)
     assert llm.engine.kv_manager.pool.num_used_blocks == 0
     stats = llm.engine.stats()
     counts = (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
               stats["spec_decode_num_accepted_tokens"])
     assert stats["num_failed_steps"] == 0
-    return [o.outputs[0].token_ids for o in outs], counts, len(calls), stats["num_ahead_steps"]
+    return [o.outputs[0].token_ids for o in outs], counts, len(calls), stats["num_ahead_steps"], history
+
+
+def _drafting_history(proposer) -> dict[str, list[tuple[int, int, int]]]:
+    """Filled as steps drafting on the device are collected: per request, (output position of the
+    step's first token, drafts verified, drafts accepted) of each step that verified drafts."""
+    history = collections.defaultdict(list)
+    drafted = proposer.drafted
+
+    def spy_drafted(pending, out):
+        for s in pending.sched.scheduled:
+            if s.spec_token_ids and not s.request.is_finished:
+                history[s.request.request_id].append((s.start + 1 - len(s.request.prompt_token_ids),
+                                                      len(s.spec_token_ids), out.num_accepted[s.request.request_id]))
+        return drafted(pending, out)
+
+    proposer.drafted = spy_drafted
+    return history
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -256,8 +274,8 @@ def test_drafting_on_the_device_with_adaptive_k_async_steps_and_random_requests(
     # (async drafting: drafts priced low enough that spells run steps ahead at 4 requests)
     spec = eagle_config(trained_head_dir, 3, adaptive=True, compute_bound_tokens=32 if ahead else 4,
                         **({"draft_cost": 0.01} if ahead else {}))
-    got, counts, calls, num_ahead = _run_on_device(tiny_llama_dir, "mixed", spec, True, params=LONG,
-                                                   async_scheduling=True, async_drafting=ahead)
+    got, counts, calls, num_ahead, _ = _run_on_device(tiny_llama_dir, "mixed", spec, True, params=LONG,
+                                                      async_scheduling=True, async_drafting=ahead)
     assert got == long_reference(tiny_llama_dir, "mixed")
     assert calls > 0 and counts[0] > 0 and counts[2] > 0 and (num_ahead > 0) == ahead
     prompts = spec_prompts()[:4]
@@ -789,14 +807,25 @@ def test_steps_launched_ahead_of_their_predecessors_tokens_keep_the_targets_outp
     verification is on the device, placed as if every draft were accepted and moved back on the
     device by the drafts rejected (the inputs, the head's catch-up, the chain); its books are moved
     back once the predecessor is collected. Output is the target's (fp32: prefix hits, chunked
-    prefill, preemption), with the very drafts and acceptance of drafting on the device without it,
-    and no block leaks."""
+    prefill, preemption), with the very drafts and acceptance of drafting on the device without it
+    (per request and step) up to a request's last tokens (there a step ahead verifies the drafts that
+    fit whatever its predecessor accepts, which may be fewer), and no block leaks."""
     spec = eagle_config(trained_head_dir, k)
     plain = _run_on_device(tiny_llama_dir, args, spec, True, params=LONG, async_scheduling=True)
     got = _run_on_device(tiny_llama_dir, args, spec, True, params=LONG, async_scheduling=True, async_drafting=True)
     assert plain[3] == 0 and got[3] > 20, "few steps were launched ahead: the case did not run"
     assert got[0] == plain[0] == long_reference(tiny_llama_dir, args)
-    assert got[1] == plain[1] and got[1][2] > 0
+    assert_same_drafts_before_the_end(got, plain, k)
+
+
+def assert_same_drafts_before_the_end(got, plain, k: int, max_tokens: int = LONG.max_tokens) -> None:
+    """Two runs (`_run_on_device`, `_patchy_run`: counts second, the drafting history last) drafted and
+    accepted the same per request and step, up to each request's last steps (where a step launched
+    ahead may verify fewer drafts)."""
+    early = max_tokens - 2 * (k + 2)
+    before = [{r: [e for e in h if e[0] < early] for r, h in run[-1].items()} for run in (got, plain)]
+    assert before[0] == before[1] and sum(len(h) for h in before[0].values()) > 20
+    assert 0 < got[1][2] <= got[1][1]
 
 
 def test_requests_ending_while_a_step_runs_ahead_of_them(tiny_llama_dir, trained_head_dir):
@@ -857,13 +886,13 @@ def _patchy_run(model_dir, spec: dict, period: int, pause: int, async_drafting: 
               async_scheduling=True, async_drafting=async_drafting, speculative_config=spec)
     eng = llm.engine
     eng.proposer.drafts_on_device = True
-    policy, plans = eng.proposer.policy, [0]
+    policy, plans = eng.proposer.policy, collections.Counter()
     plan = policy.plan
 
-    def patchy_plan(rooms, *a, **k):
-        plans[0] += 1
-        return {r: 0 if (plans[0] + int(r.rsplit("-", 1)[-1])) % period < pause else n
-                for r, n in plan(rooms, *a, **k).items()}
+    def patchy_plan(rooms, *a, **k):  # by each request's own count of plans: its turns follow its tokens
+        planned = plan(rooms, *a, **k)
+        plans.update(planned.keys())
+        return {r: 0 if (plans[r] + int(r.rsplit("-", 1)[-1])) % period < pause else n for r, n in planned.items()}
 
     policy.plan = patchy_plan
     launch, kinds = eng.runner.launch, collections.Counter()
@@ -874,11 +903,14 @@ def _patchy_run(model_dir, spec: dict, period: int, pause: int, async_drafting: 
             kinds["partial" if any(not s.spec_token_ids for s in sched.scheduled) else "full"] += 1
             pending = step.verifying.pending
             kinds["held back"] += pending.held_back
-            before = {slot.sched.request.request_id for slot in ahead_of.verifying.pending.chained}
+            before = {slot.sched.request.request_id: slot.k for slot in ahead_of.verifying.pending.chained}
             kinds["started"] += any(slot.sched.request.request_id not in before for slot in pending.chained)
+            # near max_tokens: fewer of a request's drafts than its predecessor made
+            kinds["cut"] += any(len(s.spec_token_ids) < before.get(s.request.request_id, 0) for s in sched.scheduled)
         return step
 
     eng.runner.launch = spy_launch
+    history = _drafting_history(eng.proposer)
     prompts = ([eng.intake.chat([{"role": "user", "content": q}]) for q in questions] if questions else
                [{"prompt_token_ids": p} for p in spec_prompts()])
     outs = llm.generate(prompts, params)
@@ -888,7 +920,7 @@ def _patchy_run(model_dir, spec: dict, period: int, pause: int, async_drafting: 
     assert not eng.proposer.entries.computed
     counts = (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
               stats["spec_decode_num_accepted_tokens"])
-    return [o.outputs[0].token_ids for o in outs], counts, kinds
+    return [o.outputs[0].token_ids for o in outs], counts, kinds, history
 
 
 @pytest.mark.parametrize("period,pause", [(3, 1), (5, 2)])
@@ -903,16 +935,16 @@ def test_steps_ahead_of_a_batch_where_some_requests_do_not_draft(tiny_llama_dir,
     the target's; where nobody is held back, with the very drafts and acceptance of the same plans
     without steps ahead; nothing leaks."""
     spec = eagle_config(trained_head_dir, 3)
-    want, counts, _ = _patchy_run(tiny_llama_dir, spec, period, pause, False)
-    got, got_counts, kinds = _patchy_run(tiny_llama_dir, spec, period, pause, True)
-    assert got == want == long_reference(tiny_llama_dir, "mixed")
-    assert kinds["partial"] > 5, kinds
+    plain = _patchy_run(tiny_llama_dir, spec, period, pause, False)
+    got = _patchy_run(tiny_llama_dir, spec, period, pause, True)
+    kinds = got[2]
+    assert got[0] == plain[0] == long_reference(tiny_llama_dir, "mixed")
+    assert kinds["partial"] > 5 and kinds["cut"] > 0, kinds
     if pause == 1:
-        assert kinds["held back"] > 5 and got_counts[2] > 0, kinds
+        assert kinds["held back"] > 5 and got[1][2] > 0, kinds
     else:
         assert kinds["started"] > 5 and not kinds["held back"], kinds
-        assert got_counts == counts and counts[2] > 0
-
+        assert_same_drafts_before_the_end(got, plain, 3)
 
 
 def test_requests_start_drafting_in_steps_ahead_with_the_shipped_head(default_model_dir):
@@ -925,8 +957,9 @@ def test_requests_start_drafting_in_steps_ahead_with_the_shipped_head(default_mo
     spec = {"method": "eagle", "num_speculative_tokens": 3, "adaptive": False}
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engine = dict(max_model_len=512, num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
-    want, counts, _ = _patchy_run(default_model_dir, spec, 5, 2, False, questions, params, **engine)
-    got, got_counts, kinds = _patchy_run(default_model_dir, spec, 5, 2, True, questions, params, **engine)
-    assert got == want
-    assert kinds["started"] > 5 and not kinds["held back"], kinds
-    assert got_counts == counts and counts[2] > counts[1] / 4, counts
+    plain = _patchy_run(default_model_dir, spec, 5, 2, False, questions, params, **engine)
+    got = _patchy_run(default_model_dir, spec, 5, 2, True, questions, params, **engine)
+    assert got[0] == plain[0]
+    assert got[2]["started"] > 5 and not got[2]["held back"], got[2]
+    assert_same_drafts_before_the_end(got, plain, 3, params.max_tokens)
+    assert got[1][2] > got[1][1] / 4, got[1]
