@@ -160,25 +160,27 @@ class Scheduler:
         prev's step made for it on the device, maybe none), placed where the request stands if every
         draft of prev is accepted. The runner moves each request back on the device by the drafts prev
         rejected (`ModelRunner.launch`), and its books once prev's tokens are known (`settle_ahead`).
-        Near its length limit a request verifies a prefix of its drafts that fits whatever prev accepts
-        (none where prev accepting every draft would end it: then this step's work for it is dropped).
-        Only for a drafting batch's steady state: None when a waiting request could be admitted now
-        (or a running one preempted for it), isolation runs, prev left a running request out, a
-        request's next position may lie past max_model_len, or the budget or KV blocks fall short
-        (blocks allocated by then stay with their requests: later steps use them)."""
+        Near max_tokens a request still verifies all its drafts: tokens past its end are dropped, as
+        past a stop token (and its work here is, where prev ends it); its drafts are cut where their
+        positions would pass max_model_len. Only for a drafting batch's steady state: None when a
+        waiting request could be admitted now (or a running one preempted for it), isolation runs, prev
+        left a running request out, prev may end every request by its length (the step would compute
+        nothing kept: one request's last step), a request's next position may lie past max_model_len,
+        or the budget or KV blocks fall short (blocks allocated by then stay with their requests: later
+        steps use them)."""
         if self._may_admit() or self.isolate or self._reset_ids or len(prev.scheduled) != len(self.running):
             return None
         max_len = self.config.max_model_len
-        cut = []
+        cut, may_all_end = [], True
         for s, k in zip(prev.scheduled, ks, strict=True):
             request = s.request
             start = s.start + s.num_tokens  # every draft of prev accepted
             if request.status != RequestStatus.RUNNING or start >= max_len:
                 return None
-            # after prev's tokens (up to 1 + its drafts) the step's 1 + k fit: `drafted` keeps at least
-            # as many of prev's drafts for it whatever prev accepts (`draft_room`)
-            spare = request.room(max_len) - len(s.spec_token_ids) - 2
-            cut.append(min(k, max(0, spare), max_len - start - 1))
+            cut.append(min(k, max_len - start - 1))
+            may_all_end = may_all_end and request.room(max_len) <= len(s.spec_token_ids) + 1
+        if may_all_end:
+            return None
         ks = cut
         out = SchedulerOutput()
         out.num_batched_tokens = sum(1 + k for k in ks)

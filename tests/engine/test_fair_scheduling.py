@@ -94,8 +94,9 @@ def test_a_step_is_scheduled_ahead_only_where_nobody_could_be_admitted():
     """Async drafting schedules a drafting batch's next step before its tokens are known
     (`schedule_ahead`) only while no waiting request could take a slot: a queue behind a full batch
     of its own owner does not stop it; a newcomer owner (a slot by preemption), a free slot with a
-    request waiting, or a position that may lie past max_model_len does. Placed as if every draft were
-    accepted; near max_tokens with the drafts that fit whatever its predecessor accepts."""
+    request waiting, a predecessor that may end every request, or a position that may lie past
+    max_model_len does. Placed as if every draft were accepted, with every draft near max_tokens, cut
+    short of max_model_len."""
     s = scheduler(2)
     s.config.max_model_len = 256
     for i in range(3):
@@ -113,14 +114,17 @@ def test_a_step_is_scheduled_ahead_only_where_nobody_could_be_admitted():
     assert s.schedule_ahead(prev, [3, 3]) is None
     s.finish_request("b0", RequestStatus.FINISHED_ABORTED)
     assert s.schedule_ahead(prev, [3, 3]) is not None
-    # near max_tokens a request verifies the drafts that fit whatever prev accepts: 6 tokens left are
-    # prev's 1 + 2 and this step's 1 + 2; 3 left, prev accepting both drafts ends it (none then)
-    a0 = s.requests["a0"]
-    a0.sampling_params.max_tokens = a0.num_output_tokens + 6
-    assert [len(r.spec_token_ids) for r in s.schedule_ahead(prev, [3, 3]).scheduled] == [2, 3]
+    # near max_tokens every draft is verified (tokens past the end are dropped, as past a stop token);
+    # not where prev may end every request (its 1 + 2 tokens reach both ends)
+    a0, a1 = s.requests["a0"], s.requests["a1"]
     a0.sampling_params.max_tokens = a0.num_output_tokens + 3
-    ahead = s.schedule_ahead(prev, [3, 3])
-    assert [(r.num_tokens, len(r.spec_token_ids)) for r in ahead.scheduled] == [(1, 0), (4, 3)]
-    # a request whose next position may lie past max_model_len: none
-    s.config.max_model_len = prev.scheduled[0].start + prev.scheduled[0].num_tokens
+    assert [len(r.spec_token_ids) for r in s.schedule_ahead(prev, [3, 3]).scheduled] == [3, 3]
+    a1.sampling_params.max_tokens = a1.num_output_tokens + 3
+    assert s.schedule_ahead(prev, [3, 3]) is None
+    a1.sampling_params.max_tokens = a1.num_output_tokens + 4
+    # drafts whose positions would pass max_model_len are cut; a next position past it stops the step
+    start = prev.scheduled[0].start + prev.scheduled[0].num_tokens
+    s.config.max_model_len = start + 2
+    assert [(r.num_tokens, len(r.spec_token_ids)) for r in s.schedule_ahead(prev, [3, 3]).scheduled] == [(2, 1)] * 2
+    s.config.max_model_len = start
     assert s.schedule_ahead(prev, [3, 3]) is None
