@@ -405,8 +405,8 @@ class LLMEngine:
         work. The step is scheduled as if prev accepted every draft (`Scheduler.schedule_ahead`); the
         runner moves it back on the device, and its books once prev is collected. False (nothing
         launched) outside a drafting batch's steady state: a request that could be admitted, none
-        drafting or one held back from starting in prev (`DeviceDrafts.held_back`), a position that may
-        lie past max_model_len."""
+        drafting or one held back from starting in prev (`DeviceDrafts.held_back`), prev may end every
+        request by length, a position that may lie past max_model_len."""
         ks = self.runner.drafts_ahead(prev)
         sched = self.scheduler.schedule_ahead(prev.sched, ks) if ks is not None else None
         if sched is None:

@@ -241,7 +241,7 @@ class EagleProposer:
         self._wake_instead_of_drafting(step.hidden, slots)
         self._store(step.hidden, step.slot_mapping)
         bs, num_logits = self.entries.block_size, step.argmax.shape[0]
-        plans = []  # (slot, first entry to compute, the first position whose token is on the device)
+        plans = []  # (slot, first entry to compute, the end of the positions whose tokens the host has)
         held_back = False
         for slot in slots:
             s = slot.sched
