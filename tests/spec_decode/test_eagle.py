@@ -542,7 +542,8 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
     target's graphs return them), and with its weights in int8 (the Triton kernel in the graphs).
     The head's steady catch-ups (1 + k rows, one more after a step without drafts) replay its
     executor's graphs, captured for up to 2 + k tokens per request. With async drafting (steps
-    launched ahead of their predecessor's tokens, moved back in the graphs' buffers) the same."""
+    launched ahead of their predecessor's tokens, moved back in the graphs' buffers) the same output,
+    and the same drafts up to each request's last steps."""
     prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
     args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
                 max_num_batched_tokens=64,
@@ -564,15 +565,17 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
             assert head.graphs.query_lens == (1, 2 + 3)
             head.graphs.run = lambda *a, _run=head.graphs.run, _seen=graphed, **kw: _seen.append(1) or _run(*a, **kw)
             head.forward = lambda *a, _run=head.forward, _seen=catch_ups, **kw: _seen.append(1) or _run(*a, **kw)
+        history = _drafting_history(llm.engine.proposer)
         outs = llm.generate(prompts, GREEDY)
         stats = llm.engine.stats()
-        runs[name] = ([o.outputs[0].token_ids for o in outs], stats["spec_decode_num_drafts"],
-                      stats["spec_decode_num_accepted_tokens"])
+        runs[name] = ([o.outputs[0].token_ids for o in outs], (stats["spec_decode_num_drafts"],
+                      stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]), history)
         assert name != "graph" or len(replays) > 0
         assert chain is None or len(graphed) > len(catch_ups) / 2  # the rest: after prefills and gaps
         assert (stats["num_ahead_steps"] > 0) == (name == "ahead") and stats["num_failed_steps"] == 0
-    assert runs["graph"] == runs["eager"] == runs["host"] == runs["ahead"]
-    assert runs["graph"][0] == runs["torch"][0] and runs["graph"][2] > 0
+    assert runs["graph"][:2] == runs["eager"][:2] == runs["host"][:2]
+    assert runs["ahead"][0] == runs["graph"][0] == runs["torch"][0] and runs["graph"][1][2] > 0
+    assert_same_drafts_before_the_end(runs["ahead"], runs["graph"], 3, MAX_NEW)  # past it, every draft verified
 
 
 @pytest.mark.parametrize("head", ["trained_head_dir", "fused_head_dir"])
