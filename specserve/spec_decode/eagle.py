@@ -241,29 +241,31 @@ class EagleProposer:
         self._wake_instead_of_drafting(step.hidden, slots)
         self._store(step.hidden, step.slot_mapping)
         bs, num_logits = self.entries.block_size, step.argmax.shape[0]
-        plans = []  # (slot, first entry to compute, the end of the positions whose tokens the host has)
+        # per drafting request: (slot, first entry to compute, the end of the positions whose tokens the
+        # host has, known: positions [0, known) hold the verified input, moved back on the device)
+        plans: list[tuple[DraftSlot, int, int, int, bool]] = []
         held_back = False
         for slot in slots:
             s = slot.sched
             req_id = s.request.request_id
             self._probs.pop(req_id, None)
-            _, _, count = rows[req_id]
-            known = s.start + s.num_tokens - count + 1  # positions [0, known) hold the verified input
+            count = rows[req_id][2]
+            known = s.start + s.num_tokens - count + 1
             end = known + count  # entries up to the newest token if all drafts are accepted
             # the chain's entries stay within the request's KV slots whatever is accepted
             slot.k = max(0, min(slot.k, min(len(s.block_ids) * bs, self.max_model_len) - end + 1))
             if not slot.k:
                 continue
             if ahead is None:
-                plans.append((slot, self.entries.valid(s, known), known))
+                plans.append((slot, self.entries.valid(s, known), known, known, False))
             elif req_id in ahead.drafts.row_of:  # the predecessor's catch-up covered [.., known) (books: `drafted`)
-                plans.append((slot, known, known))
+                plans.append((slot, known, known, known, True))
             elif req_id in ahead.in_place:  # its token at known - 1 is the predecessor's, in flight
-                plans.append((slot, self.entries.valid(s, known - 1), known - 1))
+                plans.append((slot, self.entries.valid(s, known - 1), known - 1, known, False))
             else:
                 held_back, slot.k = True, 0
-        if ahead is not None:  # those the step moves back first: the move's rows are theirs alone
-            plans.sort(key=lambda plan: plan[0].sched.request.request_id not in ahead.drafts.row_of)
+        plans.sort(key=lambda plan: not plan[4])  # those that move back first: the move's rows are theirs alone
+        num_moving = sum(plan[4] for plan in plans)
         # the catch-up's token ids are picked from cat(argmax, the predecessor's tokens in flight, host ids)
         host_base = num_logits + (ahead.tokens.tokens.shape[0] if ahead is not None else 0)
         chained: list[DraftSlot] = []
@@ -272,12 +274,11 @@ class EagleProposer:
         picks: list[int] = []  # per catch-up row: its token's index in cat(...) above
         sources, query_lens, seq_lens, tables = [], [], [], []
         which, bases, lens = [], [], []  # per drafting request: its verification row, newest row and L at n = 0
-        num_rows = num_moved = 0  # catch-up rows in all; those of requests that move back
-        for slot, start, on_host in plans:
+        num_rows = 0
+        for slot, start, on_host, known, _ in plans:
             s = slot.sched
             req_id = s.request.request_id
             i, first, count = rows[req_id]
-            known = s.start + s.num_tokens - count + 1
             end = known + count
             picks += range(host_base + len(host_ids), host_base + len(host_ids) + on_host - start)
             if on_host < known:
@@ -288,8 +289,6 @@ class EagleProposer:
             which.append(i)
             bases.append(num_rows + known - start)
             num_rows += end - start
-            if ahead is not None and req_id in ahead.drafts.row_of:
-                num_moved += end - start
             lens.append(known + 1)
             query_lens.append(end - start)
             seq_lens.append(end)
@@ -320,8 +319,7 @@ class EagleProposer:
             extra_int64=[np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, bases + lens)] +
             ([] if own_ids else [np.asarray(a, dtype=np.int64) for a in (host_ids, picks)]) +
             ([] if every_request else [np.asarray(which, dtype=np.int64)]) +
-            ([] if ahead is None else [np.repeat(np.arange(len(chained), dtype=np.int64),
-                                                 query_lens[:len(chained)])[:num_moved]]),
+            ([] if ahead is None else [np.repeat(np.arange(num_moving, dtype=np.int64), query_lens[:num_moving])]),
             padding_from=num_rows if padding else None, graphs=ex.graphs)
         optional = iter(optional)  # host ids and picks, then which, then rows: those uploaded, in that order
         ids_d = step.argmax if own_ids else torch.cat(
