@@ -403,12 +403,14 @@ class LLMEngine:
         The device starts the next verification right behind prev's drafts, so the host's books for
         prev's tokens, their way to the caller and the next step's scheduling all overlap the device's
         work. The step is scheduled as if prev accepted every draft (`Scheduler.schedule_ahead`); the
-        runner moves it back on the device, and its books once prev is collected. False (nothing
-        launched) outside a drafting batch's steady state: a request that could be admitted, none
-        drafting or one held back from starting in prev (`DeviceDrafts.held_back`), prev may end every
-        request by length, a position that may lie past max_model_len."""
+        runner moves it back on the device, and its books once prev is collected. Waiting requests that
+        the device can verify (plain greedy) are admitted in it. False (nothing launched) outside a
+        drafting batch's steady state: a waiting request that is not plain greedy or needs a running
+        one preempted, none drafting or one held back from starting in prev (`DeviceDrafts.held_back`),
+        prev may end every request by length, a position that may lie past max_model_len."""
         ks = self.runner.drafts_ahead(prev)
-        sched = self.scheduler.schedule_ahead(prev.sched, ks) if ks is not None else None
+        sched = (self.scheduler.schedule_ahead(prev.sched, ks, self.runner.verifies_on_device)
+                 if ks is not None else None)
         if sched is None:
             return False
         self._stepping = (sched, prev.sched)

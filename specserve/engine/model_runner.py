@@ -143,8 +143,12 @@ class ModelRunner:
     def _drafts_on_device(self, sched: SchedulerOutput) -> bool:
         """Does the proposer draft on the device, and is every sampling request plain greedy?"""
         return (self.proposer is not None and self.proposer.drafts_on_device
-                and all(not s.request.forks and plain_greedy(s.request.sampling_params, s.request.grammar)
-                        for s in sched.scheduled if s.sample))
+                and all(self.verifies_on_device(s.request) for s in sched.scheduled if s.sample))
+
+    @staticmethod
+    def verifies_on_device(request) -> bool:
+        """Can a step that drafts on the device verify this request there (plain greedy, no forks)?"""
+        return not request.forks and plain_greedy(request.sampling_params, request.grammar)
 
     def drafts_ahead(self, step: LaunchedStep) -> list[int] | None:
         """For a verification in flight (`step`): the drafts it made on the device for each of its
@@ -163,19 +167,29 @@ class ModelRunner:
         far it is behind the host's placement (prev's drafts it rejected)."""
         v = prev.verifying
         firsts = [first for _, first, _ in v.rows]
-        counts = [s.num_tokens for s in sched.scheduled]
-        firsts_d, drafted_d, rows_d = self.staging.to_device(
+        # prev's requests that go on lead the step, in prev's order; those admitted in it follow (in place)
+        row_in_prev = {s.request.request_id: i for i, (s, _, _) in enumerate(v.rows)}
+        kept = [row_in_prev[s.request.request_id] for s in sched.scheduled if s.request.request_id in row_in_prev]
+        counts = [s.num_tokens for s in sched.scheduled[:len(kept)]]
+        every = len(kept) == len(v.rows)  # else some ended in the step before prev's (known when this was scheduled)
+        firsts_d, drafted_d, rows_d, *kept_d = self.staging.to_device(
             [np.asarray(firsts, dtype=np.int64), np.asarray([c - 1 for _, _, c in v.rows], dtype=np.int64),
-             np.repeat(np.arange(len(counts), dtype=np.int64), counts)], torch.int64)
-        ids = [s.request.request_id for s in sched.scheduled]
-        tokens = PendingTokens(v.argmax[firsts_d + v.accepted], dict(zip(ids, range(len(ids)))), None, None)
+             np.repeat(np.arange(len(counts), dtype=np.int64), counts)] +
+            ([] if every else [np.asarray(kept, dtype=np.int64)]), torch.int64)
+        tokens = PendingTokens(v.argmax[firsts_d + v.accepted], row_in_prev, None, None)
         drafted = v.pending.tokens  # a row per request that drafted, in `chained` order
         width = drafted.shape[1]
         chained = [slot.sched.request for slot in v.pending.chained]
         drafts = DraftsInFlight(drafted.reshape(-1), {r.request_id: i * width for i, r in enumerate(chained)},
                                 {r.request_id: r for r in chained}, None, None)
         in_place = frozenset(s.request.request_id for s, _, count in v.rows if count == 1)
-        return StepAhead(tokens, drafts, drafted_d - v.accepted, rows_d, in_place)
+        back = drafted_d - v.accepted  # per row of prev; the step's: its leading requests', then those admitted
+        if not every:
+            back = back[kept_d[0]]
+        admitted = sum(s.sample for s in sched.scheduled[len(kept):])
+        if admitted:
+            back = torch.nn.functional.pad(back, (0, admitted))
+        return StepAhead(tokens, drafts, back, rows_d, in_place)
 
     def settle_ahead(self, step: LaunchedStep, prev: LaunchedStep) -> None:
         """`prev` is collected (its tokens are on the host): the books of `step`, launched ahead of
@@ -185,9 +199,9 @@ class ModelRunner:
         back = {s.request.request_id: len(s.spec_token_ids) - result.num_accepted.get(s.request.request_id, 0)
                 for s in prev.sched.scheduled}
         for s in step.sched.scheduled:
-            s.start -= back[s.request.request_id]
+            s.start -= back.get(s.request.request_id, 0)  # none for a request admitted in the step
         pending = step.verifying.pending
-        pending.starts = [start - back[slot.sched.request.request_id]
+        pending.starts = [start - back.get(slot.sched.request.request_id, 0)
                           for slot, start in zip(pending.chained, pending.starts)]
         self._unsettled, self._drafts = self._drafts, None
 

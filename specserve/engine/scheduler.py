@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from specserve.cache.kv_cache_manager import KVCacheManager
 from specserve.config import SchedulerConfig
@@ -85,7 +85,6 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
-        now = time.monotonic()
         allowed = self.isolate[0] if self.isolate else None
         out.preempted_req_ids |= self._reset_ids
         self._reset_ids = set()
@@ -121,11 +120,85 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        if not kv_preempted:
+            budget = self._admit(out, budget, allowed)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.block_copies = self.kv.take_copies()
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
+        return out
+
+    def schedule_ahead(self, prev: SchedulerOutput, ks: list[int],
+                       admissible: Callable[[Request], bool]) -> SchedulerOutput | None:
+        """The step after `prev`, scheduled while prev's verification is still on the device (async
+        drafting): each of prev's requests computes 1 + k tokens (`ks`, in prev's order: the drafts
+        prev's step made for it on the device, maybe none; those that ended since prev was scheduled
+        are left out), placed where the request stands if every
+        draft of prev is accepted. The runner moves each request back on the device by the drafts prev
+        rejected (`ModelRunner.launch`), and its books once prev's tokens are known (`settle_ahead`).
+        Near max_tokens a request still verifies all its drafts: tokens past its end are dropped, as
+        past a stop token (and its work here is, where prev ends it); its drafts are cut where their
+        positions would pass max_model_len. Waiting requests are admitted behind prev's (their prompts
+        are known), as `schedule` admits them, while `admissible` accepts them (the runner verifies
+        the step on the device: plain greedy requests only). Only for a drafting batch's steady state:
+        None when the next waiting request is not admissible, all sequence slots are taken while an
+        owner with nothing running waits (`schedule` may preempt for it), isolation runs, prev left a
+        running request out, prev may end every request by its length (the step would compute nothing
+        kept: one request's last step), a request's next position may lie past max_model_len, or the
+        budget or KV blocks fall short of prev's requests (blocks allocated by then stay with their
+        requests: later steps use them)."""
+        # prev's requests that go on (some may have ended in the step before it, collected since)
+        kept = [(s, k) for s, k in zip(prev.scheduled, ks, strict=True) if not s.request.is_finished]
+        if self.isolate or self._reset_ids or len(kept) != len(self.running) or self._may_preempt():
+            return None
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            first = self._next_waiting(Counter(r.owner for r in self.running), None)
+            if first is not None and not admissible(first):
+                return None  # `schedule` admits it next step (never left behind admitted ones)
+        max_len = self.config.max_model_len
+        cut, may_all_end = [], True
+        for s, k in kept:
+            request = s.request
+            start = s.start + s.num_tokens  # every draft of prev accepted
+            if request.status != RequestStatus.RUNNING or start >= max_len:
+                return None
+            cut.append(min(k, max_len - start - 1))
+            may_all_end = may_all_end and request.room(max_len) <= len(s.spec_token_ids) + 1
+        if may_all_end:
+            return None
+        ks = cut
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens - sum(1 + k for k in ks)
+        if budget < 0:
+            return None
+        for (s, _), k in zip(kept, ks):
+            request = s.request
+            start = s.start + s.num_tokens  # every draft accepted
+            lowest = start - len(s.spec_token_ids)  # none accepted: copy-on-write from there
+            end = start + self._with_lookahead(start, 1 + k)
+            if not self.kv.allocate_slots(request.request_id, lowest, end - lowest):
+                return None
+            # the full blocks of known tokens (registered as a step fills them: `_scheduled`)
+            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_tokens,
+                                 request.sampling_params.cache_salt)
+            out.scheduled.append(ScheduledRequest(request=request, start=start, num_tokens=1 + k,
+                                                  spec_token_ids=[DRAFT_PLACEHOLDER] * k,
+                                                  block_ids=self.kv.block_ids(request.request_id), sample=True))
+        budget = self._admit(out, budget, None, admissible)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.block_copies = self.kv.take_copies()
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, allowed: set[str] | None,
+               admissible: Callable[[Request], bool] | None = None) -> int:
+        """Admit waiting requests into `out` while the budget, sequence slots and KV blocks last (of
+        the owner with the fewest running requests first: `_next_waiting`); stops at the first one
+        that `admissible` refuses. Returns the budget left."""
+        now = time.monotonic()
         running_of = Counter(r.owner for r in self.running) if self.waiting else Counter()
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and not kv_preempted):
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_waiting(running_of, allowed)
-            if request is None:
+            if request is None or (admissible is not None and not admissible(request)):
                 break
             if self.running and len(self.running) + 1 + len(request.forks) > self.config.max_num_seqs:
                 break  # keep room for the children it forks into (SamplingParams.n)
@@ -148,68 +221,13 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        return budget
 
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
-        out.block_copies = self.kv.take_copies()
-        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
-        return out
-
-    def schedule_ahead(self, prev: SchedulerOutput, ks: list[int]) -> SchedulerOutput | None:
-        """The step after `prev`, scheduled while prev's verification is still on the device (async
-        drafting): each of prev's requests computes 1 + k tokens (`ks`, in prev's order: the drafts
-        prev's step made for it on the device, maybe none), placed where the request stands if every
-        draft of prev is accepted. The runner moves each request back on the device by the drafts prev
-        rejected (`ModelRunner.launch`), and its books once prev's tokens are known (`settle_ahead`).
-        Near max_tokens a request still verifies all its drafts: tokens past its end are dropped, as
-        past a stop token (and its work here is, where prev ends it); its drafts are cut where their
-        positions would pass max_model_len. Only for a drafting batch's steady state: None when a
-        waiting request could be admitted now (or a running one preempted for it), isolation runs, prev
-        left a running request out, prev may end every request by its length (the step would compute
-        nothing kept: one request's last step), a request's next position may lie past max_model_len,
-        or the budget or KV blocks fall short (blocks allocated by then stay with their requests: later
-        steps use them)."""
-        if self._may_admit() or self.isolate or self._reset_ids or len(prev.scheduled) != len(self.running):
-            return None
-        max_len = self.config.max_model_len
-        cut, may_all_end = [], True
-        for s, k in zip(prev.scheduled, ks, strict=True):
-            request = s.request
-            start = s.start + s.num_tokens  # every draft of prev accepted
-            if request.status != RequestStatus.RUNNING or start >= max_len:
-                return None
-            cut.append(min(k, max_len - start - 1))
-            may_all_end = may_all_end and request.room(max_len) <= len(s.spec_token_ids) + 1
-        if may_all_end:
-            return None
-        ks = cut
-        out = SchedulerOutput()
-        out.num_batched_tokens = sum(1 + k for k in ks)
-        if out.num_batched_tokens > self.config.max_num_batched_tokens:
-            return None
-        for s, k in zip(prev.scheduled, ks):
-            request = s.request
-            start = s.start + s.num_tokens  # every draft accepted
-            lowest = start - len(s.spec_token_ids)  # none accepted: copy-on-write from there
-            end = start + self._with_lookahead(start, 1 + k)
-            if not self.kv.allocate_slots(request.request_id, lowest, end - lowest):
-                return None
-            # the full blocks of known tokens (registered as a step fills them: `_scheduled`)
-            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_tokens,
-                                 request.sampling_params.cache_salt)
-            out.scheduled.append(ScheduledRequest(request=request, start=start, num_tokens=1 + k,
-                                                  spec_token_ids=[DRAFT_PLACEHOLDER] * k,
-                                                  block_ids=self.kv.block_ids(request.request_id), sample=True))
-        out.block_copies = self.kv.take_copies()
-        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
-        return out
-
-    def _may_admit(self) -> bool:
-        """Could `schedule` now admit a waiting request, or preempt a running one to make room for it
-        (an owner with nothing running: `_make_room_for_newcomer`)?"""
-        if not self.waiting:
+    def _may_preempt(self) -> bool:
+        """Could `schedule` now preempt a running request to make room for a waiting one (every
+        sequence slot taken while an owner with nothing running waits: `_make_room_for_newcomer`)?"""
+        if not self.waiting or len(self.running) < self.config.max_num_seqs:
             return False
-        if len(self.running) < self.config.max_num_seqs:
-            return True
         running = {r.owner for r in self.running}
         return any(owner not in running for owner in self._waiting_owners)
 

@@ -326,12 +326,13 @@ class StepAhead:
     were accepted; on the device each is `back` positions behind that (the drafts it rejected). The
     step's inputs take the predecessor's last tokens (`tokens`: the target's token after its accepted
     drafts) and its drafts (`drafts`) on the device. A request the predecessor verified no drafts of
-    is where the host placed it (`in_place`: its back is 0)."""
+    is where the host placed it (`in_place`: its back is 0). The predecessor's requests lead the step
+    in its order; requests admitted in the step follow them (where the host placed them: back 0)."""
 
     tokens: PendingTokens
     drafts: DraftsInFlight
-    back: torch.Tensor  # [num_reqs] int64, device: per request of the step, in its order
-    rows: torch.Tensor  # [num_tokens] int64, device: the request of each of the step's tokens
+    back: torch.Tensor  # [num_rows] int64, device: per row of the step's logits (a sampling request), in its order
+    rows: torch.Tensor  # [num_tokens] int64, device: the request of each of the predecessor's requests' tokens
     in_place: frozenset[str] = frozenset()  # ids of the requests whose back is 0, known on the host
 
     def move_back(self, positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,

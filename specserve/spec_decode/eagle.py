@@ -228,7 +228,8 @@ class EagleProposer:
         drafted in that predecessor (whose entries are valid up to its newest token: the catch-up
         covers its own rows alone, built at the host's positions and moved back on the device), and
         for requests the predecessor verified no drafts of (`ahead.in_place`: placed where they are;
-        the catch-up reads their newest known token, still in flight, on the device). Another request
+        the catch-up reads their newest known token, still in flight, on the device), and for requests
+        admitted in the step (not in the predecessor: every token they have is known). Another request
         the plan would have draft is held back (`DeviceDrafts.held_back`: its entries lag by drafts
         whose fate the host does not know; the engine waits for this step before the next, whose plan
         starts it)."""
@@ -256,7 +257,7 @@ class EagleProposer:
             slot.k = max(0, min(slot.k, min(len(s.block_ids) * bs, self.max_model_len) - end + 1))
             if not slot.k:
                 continue
-            if ahead is None:
+            if ahead is None or req_id not in ahead.tokens.row_of:  # not in the predecessor: admitted here
                 plans.append((slot, self.entries.valid(s, known), known, known, False))
             elif req_id in ahead.drafts.row_of:  # the predecessor's catch-up covered [.., known) (books: `drafted`)
                 plans.append((slot, known, known, known, True))
