@@ -140,8 +140,10 @@ def test_eagle_steps_launched_ahead_on_the_triton_kernels(tiny_llama_dir, traine
     outs = {}
     for name, kw in {"torch": dict(attention_backend="torch"),
                      "triton": dict(attention_backend="triton", async_drafting=True)}.items():
+        # a KV cache of its own size: on a GPU the first engine's cache still holds its share of memory
         llm = LLM(str(tiny_llama_dir), dtype="float32", device=device, max_num_seqs=4, max_num_batched_tokens=64,
-                  block_size=8, async_scheduling=True, enforce_eager=True, speculative_config=spec, **kw)
+                  block_size=8, num_kv_blocks=256, async_scheduling=True, enforce_eager=True,
+                  speculative_config=spec, **kw)
         llm.engine.proposer.drafts_on_device = True
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         stats = llm.engine.stats()
