@@ -127,7 +127,7 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
     if device.type == "cuda" and backend.name == "triton":
         for executor in executors:
             executor.warm_up_kernels(max_len)
-    if device.type == "cuda" and sc.async_drafting and getattr(proposer, "drafts_on_device", False):
+    if device.type == "cuda" and async_drafting_applies(sc, proposer):
         from specserve.kernels import warm_up_move_back  # steps ahead move back in one launch
 
         warm_up_move_back(device, cc.block_size)
@@ -146,6 +146,12 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
                 cc.block_size, format_bytes(num_blocks * block_bytes), max_len, backend.name)
     return EngineParts(config, device, loaded, model_name, proposer, target_memory, weight_bytes,
                        weight_bytes - target_memory.total, num_blocks * block_bytes, kv_manager, scheduler, runner)
+
+
+def async_drafting_applies(sc, proposer) -> bool:
+    """Do steps run ahead of a drafting step's tokens: async drafting asked for and possible here
+    (`with_device_defaults` resolved it), and a proposer that drafts on the device?"""
+    return bool(sc.async_drafting) and getattr(proposer, "drafts_on_device", False)
 
 
 def with_device_defaults(config: EngineConfig, device: torch.device) -> EngineConfig:

@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
-from specserve.engine.build import build_engine
+from specserve.engine.build import async_drafting_applies, build_engine
 from specserve.engine.executor import ExecutorDeadError
 from specserve.engine.generation_config import sampling_defaults
 from specserve.engine.intake import Intake, Prompt
@@ -76,8 +76,8 @@ class LLMEngine:
         # a drafting step's successor launched before its tokens are known (`_step_ahead`), where the
         # builder resolved it possible
         self.async_drafting = parts.config.scheduler.async_drafting
-        if config.scheduler.async_drafting and not (
-                self.async_drafting and getattr(parts.runner.proposer, "drafts_on_device", False)):
+        applies = async_drafting_applies(parts.config.scheduler, parts.runner.proposer)
+        if config.scheduler.async_drafting and not applies:
             logger.warning("async drafting does not apply here: it needs async scheduling, one GPU and an EAGLE "
                            "head drafting on the device (CUDA)")
         self.num_ahead_steps = 0  # steps launched ahead of their predecessor's tokens (async drafting)

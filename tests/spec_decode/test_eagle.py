@@ -838,6 +838,18 @@ def assert_same_drafts_before_the_end(got, plain, k: int, max_tokens: int = LONG
     assert 0 < got[1][2] <= got[1][1]
 
 
+def test_async_drafting_asked_for_where_it_cannot_apply_warns(tiny_llama_dir, trained_head_dir, caplog):
+    """On the CPU nothing drafts on the device (the host and the device are one): async drafting asked
+    for says it does not apply, and no step runs ahead."""
+    with caplog.at_level("WARNING", logger="specserve.engine.engine"):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", async_scheduling=True, async_drafting=True,
+                  speculative_config=eagle_config(trained_head_dir, 3))
+    assert "async drafting does not apply here" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec_prompts()[:2]], params)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs) and llm.engine.num_ahead_steps == 0
+
+
 def test_requests_ending_while_a_step_runs_ahead_of_them(tiny_llama_dir, trained_head_dir):
     """Under async drafting a request can end (a stop token among its accepted tokens, an abort)
     after its next step was launched: that step's work for it is dropped, the others keep the
