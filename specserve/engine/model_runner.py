@@ -164,14 +164,15 @@ class ModelRunner:
     def _ahead_inputs(self, sched: SchedulerOutput, prev: LaunchedStep) -> StepAhead:
         """What a step scheduled ahead of `prev`'s tokens takes from `prev` on the device: each
         request's token after its accepted drafts (the target's argmax there), its drafts, and how
-        far it is behind the host's placement (prev's drafts it rejected)."""
+        far it is behind the host's placement (prev's drafts it rejected). The step's requests are
+        prev's that go on, in prev's order, then those admitted in it (behind nothing: back 0)."""
         v = prev.verifying
         firsts = [first for _, first, _ in v.rows]
         # prev's requests that go on lead the step, in prev's order; those admitted in it follow (in place)
         row_in_prev = {s.request.request_id: i for i, (s, _, _) in enumerate(v.rows)}
         kept = [row_in_prev[s.request.request_id] for s in sched.scheduled if s.request.request_id in row_in_prev]
         counts = [s.num_tokens for s in sched.scheduled[:len(kept)]]
-        every = len(kept) == len(v.rows)  # else some ended in the step before prev's (known when this was scheduled)
+        every = len(kept) == len(v.rows)  # else some of prev's ended in a step collected after prev was launched
         firsts_d, drafted_d, rows_d, *kept_d = self.staging.to_device(
             [np.asarray(firsts, dtype=np.int64), np.asarray([c - 1 for _, _, c in v.rows], dtype=np.int64),
              np.repeat(np.arange(len(counts), dtype=np.int64), counts)] +
