@@ -838,6 +838,42 @@ def assert_same_drafts_before_the_end(got, plain, k: int, max_tokens: int = LONG
     assert 0 < got[1][2] <= got[1][1]
 
 
+def test_a_sampled_request_arriving_under_steps_ahead_is_admitted_by_a_synchronous_step(tiny_llama_dir,
+                                                                                       trained_head_dir):
+    """Steps ahead admit only requests the device can verify (plain greedy): a sampled request that
+    arrives while they run waits for a synchronous step, which admits it (that batch then verifies
+    on the host); the greedy requests keep the target's output, every request ends, and steps run
+    ahead again once it has ended."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", **ENGINE_ARGS["mixed"], async_scheduling=True,
+              async_drafting=True, speculative_config=eagle_config(trained_head_dir, 3))
+    eng = llm.engine
+    eng.proposer.drafts_on_device = True
+    launch, ahead_batches = eng.runner.launch, []
+
+    def spy_launch(sched, prev=None, defer=False, ahead_of=None):
+        if ahead_of is not None:
+            ahead_batches.append({s.request.request_id: s.request.sampling_params.greedy for s in sched.scheduled})
+        return launch(sched, prev, defer, ahead_of)
+
+    eng.runner.launch = spy_launch
+    prompts = spec_prompts()
+    for i in range(3):
+        eng.add_request(f"g{i}", {"prompt_token_ids": prompts[i]}, LONG)
+    outs, arrived_at = {}, None
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step())
+        if arrived_at is None and eng.num_ahead_steps > 5:
+            arrived_at = len(ahead_batches)
+            eng.add_request("sampled", {"prompt_token_ids": prompts[3]},
+                            SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))
+    want = long_reference(tiny_llama_dir, "mixed")
+    assert [outs[f"g{i}"].outputs[0].token_ids for i in range(3)] == want[:3]
+    assert outs["sampled"].finished and len(outs["sampled"].outputs[0].token_ids) == 8
+    assert all(all(batch.values()) for batch in ahead_batches), "a sampled request in a step launched ahead"
+    assert arrived_at is not None and len(ahead_batches) > arrived_at + 5, "no steps ahead after it"
+    assert eng.kv_manager.pool.num_used_blocks == 0 and eng.stats()["num_failed_steps"] == 0
+
+
 def test_async_drafting_asked_for_where_it_cannot_apply_warns(tiny_llama_dir, trained_head_dir, caplog):
     """On the CPU nothing drafts on the device (the host and the device are one): async drafting asked
     for says it does not apply, and no step runs ahead."""
