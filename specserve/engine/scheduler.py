@@ -132,9 +132,9 @@ class Scheduler:
         """The step after `prev`, scheduled while prev's verification is still on the device (async
         drafting): each of prev's requests computes 1 + k tokens (`ks`, in prev's order: the drafts
         prev's step made for it on the device, maybe none; those that ended since prev was scheduled
-        are left out), placed where the request stands if every
-        draft of prev is accepted. The runner moves each request back on the device by the drafts prev
-        rejected (`ModelRunner.launch`), and its books once prev's tokens are known (`settle_ahead`).
+        are left out), placed where the request stands if every draft of prev is accepted. The runner
+        moves each request back on the device by the drafts prev rejected (`ModelRunner.launch`), and
+        its books once prev's tokens are known (`settle_ahead`).
         Near max_tokens a request still verifies all its drafts: tokens past its end are dropped, as
         past a stop token (and its work here is, where prev ends it); its drafts are cut where their
         positions would pass max_model_len. Waiting requests are admitted behind prev's (their prompts
@@ -165,12 +165,11 @@ class Scheduler:
             may_all_end = may_all_end and request.room(max_len) <= len(s.spec_token_ids) + 1
         if may_all_end:
             return None
-        ks = cut
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens - sum(1 + k for k in ks)
+        budget = self.config.max_num_batched_tokens - sum(1 + k for k in cut)
         if budget < 0:
             return None
-        for (s, _), k in zip(kept, ks):
+        for (s, _), k in zip(kept, cut):
             request = s.request
             start = s.start + s.num_tokens  # every draft accepted
             lowest = start - len(s.spec_token_ids)  # none accepted: copy-on-write from there
