@@ -129,10 +129,15 @@ class AdaptiveK:
         self._skipping = False  # this step is left in flight
         self._probe_left = 0  # steps still to run without drafts (deferrable) to time a plain step
         # what a drafting step costs beyond the model (the proposer's host work, a synchronous step's
-        # lost overlap, launches), in plain-step cost units: measured from drafting steps against
-        # the guard's plain-step time, and paid by any plan that drafts. It decays a little every step
-        # so a bad sample (a compile, a burst of other work) does not stop drafting for good.
-        self.step_overhead = 0.0
+        # lost overlap, launches), in plain-step cost units, per batch-size bucket of the batch that
+        # samples (`step_overhead`): measured from its drafting steps against the guard's plain-step
+        # time, and paid by any plan that drafts at that batch size. 64 requests' host work is not one
+        # request's: on 8B shapes a drafting step of 64 requests took 3-4 plain steps where the model
+        # said 1.4, one request's about what it said; with one overhead for all batch sizes, a load
+        # swinging between them priced each by the other's. A bucket's overhead decays by
+        # `overhead_decay` a step since it was last measured (half-life ~140 steps), so a bad sample
+        # (a compile, a burst of other work) does not stop drafting for good.
+        self._overheads: dict[int, tuple[float, int]] = {}  # bucket -> (overhead, the guard's step then)
         self.overhead_decay = 0.995
         self._plan_steps = -1  # draft steps of the last plan (its K; -1: none made yet)
         # after a plan without drafts, steps without drafts run deferred (`idle`) without planning
@@ -191,7 +196,7 @@ class AdaptiveK:
                                   max_age=g.max_age, max_age_cap=g.max_age_cap, steady=g.steady)
         self._est.clear()
         self._pool = _Estimate()
-        self.step_overhead = 0.0
+        self._overheads.clear()
         self._pending, self._t_verified, self._skipped = None, None, None
         self._propose_seconds = self._carried_seconds = 0.0
         self._timing = self._skipping = False
@@ -270,7 +275,6 @@ class AdaptiveK:
         self._probe_left = max(0, self._probe_left - 1)
         self._skip_run = self._skip_run + 1 if self._skipping else 0
         self._skipping = False
-        self.step_overhead *= self.overhead_decay
         self._timing = True
 
     def step_skipped(self, num_base_tokens: int) -> None:
@@ -366,7 +370,7 @@ class AdaptiveK:
             self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, num_sampled, seconds)
             # the guard's trust is for what the cost model, with the overhead learned since the plan,
             # does not explain: the overhead alone prices a drafting step's extra time
-            cost_ratio += (self.step_overhead - plan_overhead) / base_cost
+            cost_ratio += (self.step_overhead(num_sampled) - plan_overhead) / base_cost
         speedup = self.guard.observe(num_base_tokens, base_cost, seconds, num_sampled, num_accepted,
                                      num_draft_tokens, predicted, cost_ratio)
         unit = self.guard.plain_unit(num_base_tokens)
@@ -375,7 +379,7 @@ class AdaptiveK:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d: base %d drafts %d steps %d took %.3f ms = %s plain; overhead %.2f trust %.2f"
                          " speedup %s", self.guard.num_steps, num_base_tokens, num_draft_tokens, num_draft_steps,
-                         seconds * 1e3, f"{seconds / unit:.2f}" if unit else "?", self.step_overhead,
+                         seconds * 1e3, f"{seconds / unit:.2f}" if unit else "?", self.step_overhead(num_sampled),
                          self.guard.trust(num_base_tokens), f"{speedup:.2f}" if speedup else "?")
 
     def _fared(self, num_sampled: int, speedup: float, plain_steps: float) -> None:
@@ -407,7 +411,18 @@ class AdaptiveK:
         modelled = (self.costs(num_base_tokens + num_draft_tokens)
                     + num_draft_steps * self._draft_cost(num_base_tokens, num_sampled))
         sample = min(max(seconds / unit - modelled, 0.0), 3.0 * self.costs(num_base_tokens))
-        self.step_overhead = 0.8 * self.step_overhead + 0.2 * sample
+        self._overheads[batch_bucket(num_sampled)] = (0.8 * self.step_overhead(num_sampled) + 0.2 * sample,
+                                                      self.guard.num_steps)
+
+    def step_overhead(self, num_sampled: int) -> float:
+        """What a drafting step of a batch of `num_sampled` sampling requests costs beyond the model
+        (plain-step units), as measured at its batch-size bucket, decayed since."""
+        overhead, at = self._overheads.get(batch_bucket(num_sampled), (0.0, 0))
+        return overhead * self.overhead_decay ** (self.guard.num_steps - at) if overhead else 0.0
+
+    def assume_overhead(self, num_sampled: int, overhead: float) -> None:
+        """Take `overhead` as measured now for batches of `num_sampled` (tests, replays)."""
+        self._overheads[batch_bucket(num_sampled)] = (overhead, self.guard.num_steps)
 
     def _margin(self, num_sampled: int) -> float:
         """What drafts must beat the plain step by: to start a spell, or to go on with one (at about
@@ -431,7 +446,7 @@ class AdaptiveK:
             gain += trust * best ** k
             # one request drafting k, or all of them (the draft steps' cost is shared)
             for num in {1, num_sampled}:
-                extra = self._extra_cost(num_base_tokens, num * k, k, num)
+                extra = self._extra_cost(num_base_tokens, num * k, k, num, num_sampled)
                 if num * gain * base > (1 + margin) * num_sampled * extra:
                     if not priced:
                         return True
@@ -441,11 +456,13 @@ class AdaptiveK:
                         return True
         return False
 
-    def _extra_cost(self, num_base_tokens: int, num_spec: int, num_draft_steps: int, num_drafting: int) -> float:
+    def _extra_cost(self, num_base_tokens: int, num_spec: int, num_draft_steps: int, num_drafting: int,
+                    num_sampled: int) -> float:
         """What `num_spec` drafts of `num_drafting` requests (and `num_draft_steps` draft-model steps)
-        add to a step over `num_base_tokens` tokens."""
+        add to a step over `num_base_tokens` tokens of `num_sampled` sampling requests."""
         target = self.costs(num_base_tokens + num_spec) - self.costs(num_base_tokens)
-        return target + num_draft_steps * self._draft_cost(num_base_tokens, num_drafting) + self.step_overhead
+        return (target + num_draft_steps * self._draft_cost(num_base_tokens, num_drafting)
+                + self.step_overhead(num_sampled))
 
     def _draft_cost(self, num_base_tokens: int, num_drafting: int = 1) -> float:
         """What one draft step of `num_drafting` requests adds to a step over `num_base_tokens` tokens,
@@ -568,7 +585,7 @@ class AdaptiveK:
         elif self._spell:
             self._end_spell(len(ks))
         self._predicted_accepted, self._cost_ratio = model_gain, cost_ratio
-        self._plan_overhead = self.step_overhead
+        self._plan_overhead = self.step_overhead(len(ks))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("plan at step %d: K %d, %d of %d drafting, gain %.2f, cost x%.2f", self.guard.num_steps,
                          self._plan_steps, sum(1 for k in ks.values() if k), len(ks), model_gain, cost_ratio)
@@ -585,7 +602,7 @@ class AdaptiveK:
         """`plan` with at most `max_steps` draft steps of `draft_cost` each, paid for up front (when
         some request drafts): (expected tokens, cost, ks, the model's gain without the guard's scaling)."""
         ks = dict.fromkeys(rooms, 0)
-        fixed = max_steps * draft_cost + self.step_overhead
+        fixed = max_steps * draft_cost + self.step_overhead(len(rooms))
         tokens, num_spec, model_gain = float(len(rooms)), 0, 0.0
         cost = base_cost + fixed
         min_gain, bar = self.min_gain, 1 + margin

@@ -107,7 +107,7 @@ def test_drafts_that_cost_more_than_the_table_says_are_backed_off_then_retried(c
     drafted = run_steps(policy, clock, 300, dear, 0.75)
     assert sum(d > 0 for d in drafted[100:]) < 30  # almost never: only the periodic re-tries
     # priced as measured (a drafting step's cost beyond the model), or distrusted by the guard
-    assert policy.step_overhead > 0.1 or policy.guard.trust(16) < 0.5
+    assert policy.step_overhead(16) > 0.1 or policy.guard.trust(16) < 0.5
     # its last spell lost ~7 plain steps' time: its batch size starts none for 7 x 32 steps, and
     # its drafting steps' learned overhead decays meanwhile
     drafted = run_steps(policy, clock, 600, honest, 0.75, seed=1)
@@ -359,7 +359,9 @@ def test_drafting_near_the_bar_goes_on_instead_of_flipping(clock):
 
 def test_the_margin_to_go_on_holds_only_within_a_spell_at_its_batch_size():
     p = head_policy(0.03)
-    p.prior, p.step_overhead = 0.5, 0.7  # drafts that beat the plain step by less than `margin`
+    p.prior = 0.5
+    for n in (1, 4):  # drafts that beat the plain step by less than `margin`
+        p.assume_overhead(n, 0.7)
     assert p.plan({"a": 8}, 1, 100) == {"a": 0}  # no spell to go on with: the margin to start
     p._spell, p._spell_bucket = 1, 1
     assert p.plan({"a": 8}, 1, 100)["a"] > 0
@@ -427,6 +429,27 @@ def test_a_dear_retry_bars_its_batch_size_for_longer(clock):
     control_tries, control = spells_and_throughput(False)
     assert 2 <= tries < control_tries
     assert throughput > 0.987 and throughput > control + 0.003
+
+
+def test_each_batch_size_pays_its_own_drafting_overhead(clock):
+    """A load that swings between 64 requests, where a drafting step costs ~3 plain steps (its host
+    work: the model prices 1.4), and one or 16 requests, where drafting pays: with one learned overhead
+    for every batch size, the 64 requests' held the small batches back after each swing (1.32x / 1.20x
+    a phase of 100 steps, in this replay) and theirs let the 64 requests retry at once (0.958x). Learned
+    per batch-size bucket: > 1.45x for the small batches and > 0.97x for the 64."""
+    many = dict(num_reqs=64, plain_deferred=3.7e-3, plain_sync=6.6e-3, drafting=12.0e-3, catch_up=2e-3,
+                alpha=[0.5355, 0.6409, 0.6897, 0.575], request_len=256)
+    for few in (dict(many, num_reqs=1, plain_deferred=4.9e-3, plain_sync=5.6e-3, drafting=6.6e-3, catch_up=0.5e-3),
+                dict(many, num_reqs=16, plain_deferred=4.6e-3, plain_sync=5.6e-3, drafting=5.9e-3, catch_up=1e-3)):
+        p = head_policy(0.0389)
+        p.catch_up_share = 0.036
+        phases: dict[int, list[float]] = {64: [], few["num_reqs"]: []}
+        for _ in range(6):
+            for case in (many, few):
+                rows = int(case["catch_up"] / (case["plain_deferred"] / (1 + case["num_reqs"] / 128)) * 128 / 0.036)
+                phases[case["num_reqs"]].append(run_async_steps(p, clock, num_steps=100, **case, catch_up_rows=rows))
+        mean = {n: sum(t[1:]) / len(t[1:]) for n, t in phases.items()}  # after the first swing
+        assert mean[few["num_reqs"]] > 1.45 and mean[64] > 0.97, mean
 
 
 def test_a_spell_starts_only_if_its_drafts_repay_the_catch_up(clock):
@@ -524,7 +547,7 @@ def test_the_engine_warm_up_teaches_adaptive_k_nothing(tiny_llama_dir):
     policy = llm.engine.proposer.policy
     assert llm.engine.warmup_seconds > 0
     assert policy.guard.num_steps == 0 and not policy.guard._unit and not policy._est
-    assert policy._plan_steps == -1 and policy.step_overhead == 0.0
+    assert policy._plan_steps == -1 and not policy._overheads
 
 
 def test_a_request_that_ends_does_not_stop_the_spell():
@@ -549,7 +572,7 @@ def test_a_draft_step_is_priced_by_its_seconds_against_the_plain_steps():
     def planned(draft_seconds):
         p = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.1)
         p.draft_seconds = draft_seconds
-        p.step_overhead = 0.4
+        p.assume_overhead(1, 0.4)
         for _ in range(4):  # deferred plain steps of one request, as the guard times them
             p.guard.observe(1, p.costs(1), 1.03e-3, 0, 0, 0)
         for _ in range(20):
@@ -572,7 +595,8 @@ def test_a_draft_step_is_priced_at_the_batch_that_drafts():
 
     def planned(scale):
         p = AdaptiveK(4, compute_bound_tokens=128, draft_cost=0.1)
-        p.draft_seconds, p.draft_scale, p.step_overhead = 60e-6, scale, 0.05
+        p.draft_seconds, p.draft_scale = 60e-6, scale
+        p.assume_overhead(64, 0.05)
         for _ in range(4):  # plain steps of 64 requests, 6 ms each
             p.guard.observe(64, p.costs(64), 6e-3, 0, 0, 0)
         rooms = {f"r{i}": 100 for i in range(64)}
