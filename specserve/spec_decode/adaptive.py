@@ -400,6 +400,11 @@ class AdaptiveK:
         elif realized is not None:
             self._backoff.pop(bucket, None)
             self._barred.pop(bucket, None)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("spell ended at step %d: %d plans at %d requests, realized %s, lost %.2f plain steps, "
+                         "backoff %d, overhead %.2f", self.guard.num_steps, self._spell, num_sampled,
+                         "?" if realized is None else f"{realized:+.2f}", self._spell_lost,
+                         self._backoff.get(bucket, 0), self.step_overhead(num_sampled))
         self._spell = 0
 
     def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
