@@ -6,6 +6,7 @@ engine in a background thread; `uvicorn_config(app, settings)` holds the transpo
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -82,11 +83,14 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 def build_app(engine_factory: EngineFactory, settings: ServerSettings | None = None,
               model_name: str = "model", on_load_error: Callable[[BaseException], None] | None = None,
-              on_ready: Callable[[], None] | None = None) -> Starlette:
+              on_ready: Callable[[], None] | None = None, load_before_serving: bool = False) -> Starlette:
     """A Starlette app serving `engine_factory()`'s engine (built in a background thread at startup).
 
     `on_load_error(exc)` / `on_ready()` are called from the loader thread when building the engine
-    fails (the CLI stops the server) / succeeds.
+    fails (the CLI stops the server) / succeeds. `load_before_serving`: the startup waits for the
+    engine, so uvicorn accepts no connection before it (a server process attaching to an engine
+    core that is already loaded, beside others on one socket: a connection it took while attaching
+    would be answered 503 although the others serve).
     """
     settings = settings or ServerSettings()
     if settings.enable_log_requests:  # the request lines are INFO records, whatever --log-level says
@@ -96,6 +100,8 @@ def build_app(engine_factory: EngineFactory, settings: ServerSettings | None = N
     @asynccontextmanager
     async def lifespan(app: Starlette):
         state.start_loading()
+        if load_before_serving:
+            await asyncio.to_thread(state.wait_loaded)
         try:
             yield
         finally:

@@ -4,7 +4,8 @@ One server process's event loop (HTTP parsing, JSON, WebSocket frames, detokeniz
 before the engine does. With N > 1 this process becomes a supervisor: it binds the listening socket,
 starts the engine core (engine/core_process.py) with one output socket per server, and starts N
 server processes that share the listening socket (the kernel spreads connections over them) and
-attach to the core. It serves nothing itself; it waits.
+attach to the core, each before it accepts a connection (a request never meets one still attaching:
+it waits in the socket's backlog instead of getting 503). It serves nothing itself; it waits.
 
 - SIGTERM / SIGINT (Ctrl-C reaches every process of the group): each server stops accepting and
   finishes or cancels what it has in flight (uvicorn's graceful shutdown, 5 s); then the core stops;
@@ -128,7 +129,10 @@ def run_server(handle, settings: ServerSettings, name: str, sock: socket.socket,
         if server is not None:
             server.should_exit = True
 
-    app = build_app(lambda: AsyncEngine(handle, on_dead=stop), settings, name, on_load_error=stop)
+    # the model is loaded (by the core): attach before accepting, so no connection this process takes
+    # meets a server still attaching (503) while the others serve
+    app = build_app(lambda: AsyncEngine(handle, on_dead=stop), settings, name, on_load_error=stop,
+                    load_before_serving=True)
     server = uvicorn.Server(uvicorn_config(app, settings, log_level))
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     try:

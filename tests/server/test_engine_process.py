@@ -186,7 +186,8 @@ def test_several_server_processes_share_one_engine(serve):
     async def one(i):  # a connection each: the kernel spreads them over the two processes
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
             r = await c.post("/v1/completions", json={"prompt": f"ab{i}", "max_tokens": 8, "ignore_eos": True})
-            return r.status_code, r.json()["usage"]["completion_tokens"]
+            body = r.json()
+            return r.status_code, body["usage"]["completion_tokens"] if "usage" in body else body
 
     async def main():
         return await asyncio.gather(*(one(i) for i in range(16)))
@@ -199,3 +200,45 @@ def test_several_server_processes_share_one_engine(serve):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "stopped" in out, out
     _assert_gone(kids)
+
+
+@pytest.mark.parametrize("load_before_serving", [False, True])
+def test_a_server_process_takes_connections_once_attached(tiny_chat_dir, load_before_serving):
+    """--api-server-count N: each server process attaches to the (loaded) engine core before it
+    accepts a connection (`load_before_serving`), so a request that comes while one is still
+    attaching waits in the shared socket's backlog and is answered, not refused with 503 while the
+    others serve (that race failed a run of the test above). Without it: 503."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from specserve.server.app import build_app, uvicorn_config
+    from specserve.server.settings import ServerSettings
+
+    make = engine_factory(tiny_chat_dir, in_process=True, **TINY_ENGINE)
+
+    def slow_attach():
+        time.sleep(1.5)
+        return make()
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    settings = ServerSettings(host="127.0.0.1", port=sock.getsockname()[1])
+    app = build_app(slow_attach, settings, "tiny", load_before_serving=load_before_serving)
+    server = uvicorn.Server(uvicorn_config(app, settings, "warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.3)  # uvicorn is up (or starting); the engine is not attached yet
+        r = httpx.post(f"http://127.0.0.1:{settings.port}/v1/completions", timeout=60,
+                       json={"prompt": "ab", "max_tokens": 4, "ignore_eos": True})
+        if load_before_serving:
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        else:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready", r.text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
