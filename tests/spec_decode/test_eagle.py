@@ -1028,3 +1028,28 @@ def test_requests_start_drafting_in_steps_ahead_with_the_shipped_head(default_mo
     assert got[2]["started"] > 5 and not got[2]["held back"], got[2]
     assert_same_drafts_before_the_end(got, plain, 3, params.max_tokens)
     assert got[1][2] > got[1][1] / 4, got[1]
+
+
+def test_hidden_sources_of_many_requests_in_one_pass():
+    """`hidden_sources`: for every request, entry p reads the target's hidden state at position p - 1
+    (the slot its KV block table gives; position 0 reads the zero row), as one request at a time did."""
+    import numpy as np
+
+    from specserve.spec_decode.eagle import hidden_sources
+
+    rng = np.random.default_rng(0)
+    bs, zero = 16, 10_000
+    tables, starts, ends = [], [], []
+    for _ in range(40):
+        end = int(rng.integers(1, 200))
+        start = int(rng.integers(0, end + 1))  # empty ranges too
+        tables.append([int(b) for b in rng.permutation(500)[:-(-end // bs)]])
+        starts.append(start)
+        ends.append(end)
+
+    def one(table, start, end):
+        return [zero if p < 0 else table[p // bs] * bs + p % bs for p in range(start - 1, end - 1)]
+
+    expected = [x for t, s, e in zip(tables, starts, ends) for x in one(t, s, e)]
+    assert hidden_sources(tables, starts, ends, bs, zero).tolist() == expected
+    assert hidden_sources([], [], [], bs, zero).tolist() == []
