@@ -172,14 +172,16 @@ def _padded_tables(tables: list[list[int]], min_width: int = 0) -> np.ndarray:
 def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
                    device: torch.device, pad_block_table_to: int = 0, staging: HostStaging | None = None,
                    extra_int64: list[np.ndarray] = (), padding_from: int | None = None,
-                   graphs: StepGraphs | None = None, input_ids: np.ndarray | None = None
-                   ) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
+                   graphs: StepGraphs | None = None, input_ids: np.ndarray | None = None,
+                   prev_slots: int | None = None) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
     """Positions [num_tokens] and attention metadata of a flat ragged batch: request i computes the
     last query_lens[i] of its seq_lens[i] tokens, whose KV lives in the blocks tables[i].
     `extra_int64` arrays travel to the device in the same copy; they come back as the third result
     (after the token ids, when `input_ids` are given). `padding_from`: the tokens from this one on
     are padding, whose KV is not written (PAD_SLOT_ID). `graphs`: the executor's CUDA graphs; a
-    step one of them runs is written straight into their buffers (`StepGraphs.stage`)."""
+    step one of them runs is written straight into their buffers (`StepGraphs.stage`). `prev_slots`:
+    also the KV slot of each token's previous position (where an EAGLE head's entry reads the target's
+    hidden state), this row for position 0 and for padding tokens, first of the extra arrays."""
     staging = staging or _staging_for(device)
     num_reqs = len(query_lens)
     q_lens = np.asarray(query_lens, dtype=np.int64)
@@ -192,6 +194,13 @@ def batch_metadata(query_lens: list[int], seq_lens: list[int], tables: list[list
     req_of_token = np.repeat(np.arange(num_reqs), q_lens)
     positions = np.arange(num_tokens) - (cu[:-1] - s_lens + q_lens)[req_of_token]
     slots = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    if prev_slots is not None:
+        prev = positions - 1
+        sources = np.where(prev >= 0, block_tables[req_of_token, np.maximum(prev, 0) // block_size] * block_size
+                           + prev % block_size, prev_slots)
+        if padding_from is not None:
+            sources[padding_from:] = prev_slots
+        extra_int64 = [sources, *extra_int64]
     if padding_from is not None:
         slots[padding_from:] = PAD_SLOT_ID
     max_query_len = int(q_lens.max())

@@ -32,7 +32,6 @@ rejection sampler.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -301,7 +300,6 @@ class EagleProposer:
             return pending
         ks = [slot.k for slot in chained]
         ex = self.executor
-        sources = [hidden_sources(tables, starts, seq_lens, bs, self._hidden.shape[0] - 1)]
         graphed = ex.graphs is not None and ex.graphs.holds(len(query_lens), max(query_lens), num_rows)
         padding = self._padding(num_rows, tables) if self.pad_catch_up and not graphed else []
         if padding:  # requests that compute nothing, reading the zero state, writing no KV
@@ -310,7 +308,6 @@ class EagleProposer:
             seq_lens += padding
             tables += [[] for _ in padding]
             picks += [0] * num_pad
-            sources.append(np.full(num_pad, self._hidden.shape[0] - 1))
         # each launch costs the host ~10 us (an H200's host), and at one request the host sets the
         # step's pace: the common case takes the verification's tensors as they are (its tokens are
         # the catch-up's, every verifying request drafts)
@@ -318,11 +315,11 @@ class EagleProposer:
         every_request = which == list(range(len(step.logits_rows)))
         positions, meta, (src_d, ks_d, ends_d, *optional) = batch_metadata(
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
-            extra_int64=[np.concatenate(sources)] + [np.asarray(a, dtype=np.int64) for a in (ks, bases + lens)] +
+            extra_int64=[np.asarray(a, dtype=np.int64) for a in (ks, bases + lens)] +
             ([] if own_ids else [np.asarray(a, dtype=np.int64) for a in (host_ids, picks)]) +
             ([] if every_request else [np.asarray(which, dtype=np.int64)]) +
             ([] if ahead is None else [np.repeat(np.arange(num_moving, dtype=np.int64), query_lens[:num_moving])]),
-            padding_from=num_rows if padding else None, graphs=ex.graphs)
+            padding_from=num_rows if padding else None, graphs=ex.graphs, prev_slots=self._hidden.shape[0] - 1)
         optional = iter(optional)  # host ids and picks, then which, then rows: those uploaded, in that order
         ids_d = step.argmax if own_ids else torch.cat(
             [step.argmax] + ([] if ahead is None else [ahead.tokens.tokens]) + [next(optional)])[next(optional)]
@@ -403,21 +400,19 @@ class EagleProposer:
         (seq_lens = the ends, block tables) and `ks` on the device [P]."""
         bs = self.entries.block_size
         ids: list[int] = []
-        starts, query_lens, seq_lens, tables = [], [], [], []
+        query_lens, seq_lens, tables = [], [], []
         for slot, start, end in segments:
             s = slot.sched
             ids += _context(s.request, slot.new_ids, start, end)
-            starts.append(start)
             query_lens.append(end - start)
             seq_lens.append(end)
             tables.append(s.block_ids)
             self.entries.written(s, start, end)
         ex = self.executor
-        positions, meta, (ids_d, src_d, ks_d) = batch_metadata(
+        positions, meta, (src_d, ids_d, ks_d) = batch_metadata(
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
-            extra_int64=[np.asarray(ids, dtype=np.int64),
-                         hidden_sources(tables, starts, seq_lens, bs, self._hidden.shape[0] - 1),
-                         np.asarray(ks, dtype=np.int64)])
+            extra_int64=[np.asarray(ids, dtype=np.int64), np.asarray(ks, dtype=np.int64)],
+            prev_slots=self._hidden.shape[0] - 1)
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
         return g[meta.query_start_loc[1:].long() - 1], meta, ks_d
 
@@ -483,22 +478,6 @@ class EagleProposer:
                 full[vocab] = q[i]
                 probs[i].append(full)
         return vocab[picked]
-
-
-def hidden_sources(tables: list[list[int]], starts: list[int], ends: list[int], block_size: int,
-                   zero_row: int) -> np.ndarray:
-    """The slots of the hidden states the head's entries [starts[i], ends[i]) of each request read
-    (its KV blocks `tables[i]`), concatenated: entry p reads the target's at position p - 1 (position
-    0: `zero_row`, the zero row past the slots). One pass for all requests: numpy's per-call overhead,
-    paid per request, took ~1.4 ms of a drafting step's host time at 64 requests."""
-    first = np.asarray(starts, dtype=np.int64)
-    lens = np.asarray(ends, dtype=np.int64) - first
-    row0 = np.cumsum(lens) - lens  # each request's first row
-    prev = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(first - 1 - row0, lens)
-    table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(table_lens.sum()))
-    at = np.repeat(np.cumsum(table_lens) - table_lens, lens) + np.maximum(prev, 0) // block_size
-    return np.where(prev >= 0, flat[at] * block_size + prev % block_size, zero_row) if at.size else prev
 
 
 def catch_up_rows(num_rows: int) -> int:

@@ -1030,12 +1030,13 @@ def test_requests_start_drafting_in_steps_ahead_with_the_shipped_head(default_mo
     assert got[1][2] > got[1][1] / 4, got[1]
 
 
-def test_hidden_sources_of_many_requests_in_one_pass():
-    """`hidden_sources`: for every request, entry p reads the target's hidden state at position p - 1
-    (the slot its KV block table gives; position 0 reads the zero row), as one request at a time did."""
+def test_the_hidden_state_slots_of_many_requests_come_with_their_metadata():
+    """`batch_metadata(..., prev_slots=Z)`: for every request, entry p reads the target's hidden state at
+    position p - 1 (the slot its KV block table gives; position 0 and padding tokens read row Z), as
+    one request at a time did, first of the extra arrays."""
     import numpy as np
 
-    from specserve.spec_decode.eagle import hidden_sources
+    from specserve.engine.step_inputs import batch_metadata
 
     rng = np.random.default_rng(0)
     bs, zero = 16, 10_000
@@ -1051,5 +1052,12 @@ def test_hidden_sources_of_many_requests_in_one_pass():
         return [zero if p < 0 else table[p // bs] * bs + p % bs for p in range(start - 1, end - 1)]
 
     expected = [x for t, s, e in zip(tables, starts, ends) for x in one(t, s, e)]
-    assert hidden_sources(tables, starts, ends, bs, zero).tolist() == expected
-    assert hidden_sources([], [], [], bs, zero).tolist() == []
+    query_lens = [e - s for s, e in zip(starts, ends)]
+    extra = np.arange(3, dtype=np.int64)
+    _, _, (sources, rest) = batch_metadata(query_lens, ends, tables, bs, torch.device("cpu"),
+                                           extra_int64=[extra], prev_slots=zero)
+    assert sources.tolist() == expected and rest.tolist() == extra.tolist()
+    # padding requests (no blocks) read the zero row
+    _, _, (sources,) = batch_metadata(query_lens + [3], ends + [3], tables + [[]], bs, torch.device("cpu"),
+                                      padding_from=len(expected), prev_slots=zero)
+    assert sources.tolist() == expected + [zero] * 3
