@@ -5,8 +5,16 @@ decoding meets: one token per request, or the few tokens of a verification. On t
 EPYC machines a 2-5 token fp32 product there costs up to 2.2 one-token ones (the default model's
 forward: 1.5-2.2). oneDNN's matmul over a weight reordered into its blocked layout ahead of time
 streams the weight once for any small batch: a 2-5 token forward costs 0.9-1.1 one-token ones, and a
-one-token forward is 1.5x faster in fp32 and 1.4x in bf16 (`bench/cpu_linear.py`, BENCHMARKS.md). A
-row's result is also the same bits whatever else is in the batch (tests/engine/test_cpu_linear.py).
+one-token forward is 1.5x faster in fp32 and 1.4x in bf16 (`bench/cpu_linear.py`, BENCHMARKS.md).
+
+In fp32 a row's result is the same bits whatever else is in the batch (tests/engine/test_cpu_linear.py),
+which is what lets a verification's rows equal one-token decoding's. It takes one repair: on AVX-512
+CPUs oneDNN blocks a one-row product over a long input (1152 wide or more, as the default model's MLP
+down projection, 1536) differently from a product of two or more rows, whose rows all agree; a layer
+that shows this when it is packed (`_one_row_differs`) runs a lone row as two (the row twice; ~10 us
+more a call, on that layer only). In bf16 the blocking also changes with the row count (on CPUs with
+AMX past 32 rows; with AVX512-BF16 alone, for wide inputs, past a few rows), so bf16 rows are not
+batch-invariant: the engine states greedy exactness for fp32 only.
 
 `pack_linears(model)` (the engine builder calls it for a CPU engine's models) swaps a model's
 `nn.Linear` layers for `PackedLinear` (the reordered weight replaces the original: no extra memory)
@@ -55,9 +63,22 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self.bias = None if bias is None else bias.detach().clone()
+            self.pad_one_row = self._one_row_differs()
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _one_row_differs(self) -> bool:
+        """Does oneDNN compute a row alone differently from the same row beside another (on this CPU,
+        for this shape)? A random row tells: a different summation order changes its bits."""
+        row = torch.randn(1, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.dtype)
+        pair = torch.cat([row, torch.randn_like(row)])
+        return not torch.equal(self._product(row), self._product(pair)[:1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.pad_one_row and x.numel() == self.in_features:  # a lone row runs as two (module docstring)
+            return self._product(x.reshape(1, -1).expand(2, -1))[:1].reshape(*x.shape[:-1], self.out_features)
+        return self._product(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, onednn"
