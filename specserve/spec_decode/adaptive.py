@@ -159,8 +159,14 @@ class AdaptiveK:
         # beyond the plain time of its tokens. So retries of drafts that lose cost about 1 / (8 <<
         # backoff) of the steps however dear a start is (a head's catch-up at 64 requests on 8B shapes:
         # ~5 plain steps; at one request about one). A spell that ends on a gain lifts the bar.
+        # A spell that ends within `clear_gain` above break-even undoes one step of its bucket's backoff,
+        # not all of it (on 8B shapes at 64 requests a spell that gained +0.01 reset a backoff of 6
+        # spells that had lost, and the next started within 16 steps). A spell whose batch moves into a barred
+        # bucket ends there, and a batch a quarter under a barred bucket counts as in it (`barred`): at
+        # 64 requests spells started while a few requests finished (50-63) and went on at 64.
         self.stay_margin = -0.1
         self.max_backoff = 6
+        self.clear_gain = 0.05
         # A spell's start also pays its drafter's catch-up (a head's or a draft model's entries over
         # every position since it last ran for the drafting requests: `plan`'s `catch_up`), each
         # position `catch_up_share` of a target token's compute (the drafter's parameters per position
@@ -182,6 +188,8 @@ class AdaptiveK:
         self._spell_steps: dict[int, tuple[float, int]] = {}  # batch bucket -> (plans its spells lasted, at step)
         self._spell = 0  # plans in a row that drafted
         self._spell_bucket = 0  # the batch-size bucket of its last plan
+        self._spell_buckets: frozenset[int] = frozenset()  # the buckets its plans drafted at
+        self._ended_buckets: frozenset[int] = frozenset()  # those of the last spell that ended
         self._spell_lost = 0.0  # plain steps' time the last spell's judged steps lost (net of gains)
         self._realized: dict[int, float] = {}  # batch bucket -> recent realized speedup - 1 (EMA)
         self._backoff: dict[int, int] = {}  # batch bucket -> spells in a row that ended on a loss
@@ -204,6 +212,7 @@ class AdaptiveK:
         self._probe_left = self._skips_since_plan = self._empty_plans = self._spell = 0
         self._plan_steps = -1
         self._spell_lost = 0.0
+        self._spell_buckets = self._ended_buckets = frozenset()
         self._realized.clear()
         self._backoff.clear()
         self._barred.clear()
@@ -299,14 +308,18 @@ class AdaptiveK:
         return self._plan_steps == 0 and self._skips_since_plan < wait
 
     def barred(self, num_sampled: int) -> bool:
-        """May a batch of `num_sampled` sampling requests not start a spell yet (its bucket's last one
-        ended on a loss, too few steps ago)?"""
-        bucket = batch_bucket(num_sampled)
+        """May a batch of `num_sampled` sampling requests not draft yet (its bucket's last spell ended on
+        a loss, too few steps ago; or that of a batch a quarter larger: a batch that dips a little
+        under a barred bucket, as 64 requests do to 60 while some finish, is that batch)?"""
+        return any(self._bucket_barred(bucket)
+                   for bucket in {batch_bucket(num_sampled), batch_bucket(num_sampled + num_sampled // 4)})
+
+    def _bucket_barred(self, bucket: int) -> bool:
         ended = self._barred.get(bucket)
         if ended is None:
             return False
         wait = 8 << self._backoff.get(bucket, 0)
-        if bucket == self._spell_bucket:  # the last spell's: in proportion to what it lost
+        if bucket in self._ended_buckets:  # the last spell's: in proportion to what it lost
             wait *= max(1.0, self._spell_lost)
         return self.guard.num_steps - ended < wait
 
@@ -390,22 +403,33 @@ class AdaptiveK:
         self._spell_lost += plain_steps * (1.0 - speedup)
 
     def _end_spell(self, num_sampled: int) -> None:
-        """A spell ended: back off its bucket's next plans if its recent drafting steps lost."""
-        bucket = batch_bucket(num_sampled)
-        self._spell_steps[bucket] = (0.5 * self._horizon(bucket) + 0.5 * self._spell, self.guard.num_steps)
-        realized = self._realized.get(bucket)
-        if realized is not None and realized < 0:
-            self._backoff[bucket] = min(self._backoff.get(bucket, 0) + 1, self.max_backoff)
-            self._barred[bucket] = self.guard.num_steps
-        elif realized is not None:
-            self._backoff.pop(bucket, None)
-            self._barred.pop(bucket, None)
+        """A spell ended: each batch-size bucket it drafted at is judged by its recent drafting steps:
+        a loss backs off its next spells, a clear gain (`clear_gain`) lifts its bar, a small one undoes
+        one loss's backoff."""
+        self._ended_buckets = self._spell_buckets
+        for bucket in self._spell_buckets:
+            self._spell_steps[bucket] = (0.5 * self._horizon(bucket) + 0.5 * self._spell, self.guard.num_steps)
+            realized = self._realized.get(bucket)
+            if realized is None:
+                continue
+            if realized < 0:
+                self._backoff[bucket] = min(self._backoff.get(bucket, 0) + 1, self.max_backoff)
+                self._barred[bucket] = self.guard.num_steps
+                continue
+            backoff = 0 if realized >= self.clear_gain else self._backoff.get(bucket, 0) - 1
+            if backoff > 0:
+                self._backoff[bucket] = backoff
+            else:
+                self._backoff.pop(bucket, None)
+                self._barred.pop(bucket, None)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("spell ended at step %d: %d plans at %d requests, realized %s, lost %.2f plain steps, "
-                         "backoff %d, overhead %.2f", self.guard.num_steps, self._spell, num_sampled,
-                         "?" if realized is None else f"{realized:+.2f}", self._spell_lost,
-                         self._backoff.get(bucket, 0), self.step_overhead(num_sampled))
+            judged = ", ".join(f"{2 ** (b - 1)}+ requests {self._realized[b]:+.2f} backoff {self._backoff.get(b, 0)}"
+                               for b in sorted(self._spell_buckets) if b in self._realized)
+            logger.debug("spell ended at step %d: %d plans, the last at %d requests, lost %.2f plain steps, "
+                         "overhead %.2f; realized: %s", self.guard.num_steps, self._spell, num_sampled,
+                         self._spell_lost, self.step_overhead(num_sampled), judged or "?")
         self._spell = 0
+        self._spell_buckets = frozenset()
 
     def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
                         num_sampled: int, seconds: float) -> None:
@@ -506,7 +530,8 @@ class AdaptiveK:
             # with the requests that come next, which plan at once)
             self._plan_steps = -1
             return ks
-        if not self._spell and self.barred(len(rooms)):  # no spell starts here yet, and no probe is needed
+        if self.barred(len(rooms)) and (not self._spell or batch_bucket(len(rooms)) != self._spell_bucket):
+            # no spell starts here yet, nor goes on into it from another batch size; no probe is needed
             return self._settle(ks, keys, 0.0, 1.0)
         if max_spec_tokens <= 0 or self.probing() or self.guard.wants_probe(num_base_tokens):
             if not self.probing() and self.async_steps and max_spec_tokens > 0:
@@ -587,6 +612,7 @@ class AdaptiveK:
                 self._spell_lost = 0.0
             self._spell += 1
             self._spell_bucket = batch_bucket(len(ks))
+            self._spell_buckets |= {self._spell_bucket}
         elif self._spell:
             self._end_spell(len(ks))
         self._predicted_accepted, self._cost_ratio = model_gain, cost_ratio
