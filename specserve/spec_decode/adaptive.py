@@ -179,18 +179,6 @@ class AdaptiveK:
         # steps' gain a step, and lost ~2 plain steps.
         self.catch_up_share = 0.0
         self.spell_horizon, self.horizon_half_life = 16.0, 4000
-        # What starting a spell cost as measured, per batch-size bucket (`start_cost`, plain-step cost
-        # units, at most 8 plain steps' worth): the first drafting step's time beyond what the spell's
-        # later steps are modelled at (the catch-up, a drafter's first run; the synchronous step that
-        # made the first drafts is judged with the spell already). A start must repay the larger of
-        # that and the catch-up's modelled price. It decays by `start_cost_decay` a step (half-life ~1000
-        # steps: starts are rarer than drafting steps, and on 8B shapes spells at 64 requests that were
-        # retried every ~300 steps lost 2%). On a 2-core Xeon (bf16, the default model) at 64 requests
-        # a spell's first drafting step took ~7 cost units, its next ~3.4 (a plain step 1.65), for
-        # drafts the model priced at ~5% gain a step: spells of 2-12 steps, 0.98x.
-        self._start_costs: dict[int, tuple[float, int]] = {}  # bucket -> (cost, the guard's step then)
-        self.start_cost_decay = 0.9993
-        self._plan_starts = False  # the last plan started a spell
         # Dormant: no plan has drafted for `dormant_after` steps. A head that fuses target layers then
         # lets the target leave its feature out of its decode steps (EagleProposer.needs_aux):
         # where drafting does not pay (64 requests on 8B shapes) the feature cost every step ~0.6% of
@@ -217,8 +205,6 @@ class AdaptiveK:
         self._est.clear()
         self._pool = _Estimate()
         self._overheads.clear()
-        self._start_costs.clear()
-        self._plan_starts = False
         self._pending, self._t_verified, self._skipped = None, None, None
         self._propose_seconds = self._carried_seconds = 0.0
         self._timing = self._skipping = False
@@ -243,7 +229,6 @@ class AdaptiveK:
         so the next step computes the feature and plans again."""
         self._plan_steps = -1
         self._spell = max(0, self._spell - 1)
-        self._plan_starts = False
         self._predicted_accepted, self._cost_ratio = 0.0, 1.0
         self._drafted_at = self.guard.num_steps
 
@@ -360,8 +345,8 @@ class AdaptiveK:
         assert self.shared_prior or num_accepted is not None, "n-gram estimates need the accepted count"
         accepted = predicted if self.shared_prior else num_accepted
         self._pending = (num_base_tokens, num_draft_tokens, num_sampled, accepted, predicted, self._cost_ratio,
-                         self._plan_overhead, max(self._plan_steps, 0), num_accepted is None,
-                         self._plan_starts and bool(num_draft_tokens), self._start, self._carried_seconds)
+                         self._plan_overhead, max(self._plan_steps, 0), num_accepted is None, self._start,
+                         self._carried_seconds)
 
     def proposals_made(self) -> None:
         """The proposer's work after `step_finished` is done (its catch-up, lookups and the next
@@ -372,10 +357,9 @@ class AdaptiveK:
 
     def _judge(self, seconds: float, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
                num_accepted: float, predicted: float, cost_ratio: float, plan_overhead: float,
-               num_draft_steps: int, on_device: bool, first_drafts: bool) -> None:
-        """A synchronous step took `seconds`: to the guard (and a drafting step's to `step_overhead`, or,
-        verifying a spell's first drafts, `first_drafts`, to `start_cost`). `self._plan_steps` is still
-        the plan made during this step (its drafts for the next one)."""
+               num_draft_steps: int, on_device: bool) -> None:
+        """A synchronous step took `seconds`: to the guard (and a drafting step's to `step_overhead`).
+        `self._plan_steps` is still the plan made during this step (its drafts for the next one)."""
         made_drafts = self._plan_steps > 0
         base_cost = self.costs(num_base_tokens)
         if num_draft_tokens == 0 and self.async_steps and not self.probing():
@@ -396,8 +380,7 @@ class AdaptiveK:
             self.guard.tick()
             return
         if num_draft_tokens:
-            self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, num_sampled, seconds,
-                                 first_drafts)
+            self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, num_sampled, seconds)
             # the guard's trust is for what the cost model, with the overhead learned since the plan,
             # does not explain: the overhead alone prices a drafting step's extra time
             cost_ratio += (self.step_overhead(num_sampled) - plan_overhead) / base_cost
@@ -449,43 +432,22 @@ class AdaptiveK:
         self._spell_buckets = frozenset()
 
     def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
-                        num_sampled: int, seconds: float, first_drafts: bool = False) -> None:
-        """A drafting step took `seconds`: what the model misses of it goes into `step_overhead`; of a
-        spell's first drafting step, what goes beyond that overhead also into `start_cost`."""
+                        num_sampled: int, seconds: float) -> None:
+        """A drafting step took `seconds`: what the model misses of it goes into `step_overhead`."""
         unit = self.guard.plain_unit(num_base_tokens)
         if unit is None:
             return
         modelled = (self.costs(num_base_tokens + num_draft_tokens)
                     + num_draft_steps * self._draft_cost(num_base_tokens, num_sampled))
-        if first_drafts:
-            beyond = seconds / unit - modelled - self.step_overhead(num_sampled)
-            self._learn_start_cost(num_sampled, min(max(beyond, 0.0), 8.0 * self.costs(num_base_tokens)))
         sample = min(max(seconds / unit - modelled, 0.0), 3.0 * self.costs(num_base_tokens))
         self._overheads[batch_bucket(num_sampled)] = (0.8 * self.step_overhead(num_sampled) + 0.2 * sample,
                                                       self.guard.num_steps)
 
-    def _learn_start_cost(self, num_sampled: int, sample: float) -> None:
-        """A spell's start at this batch size cost `sample` (cost units) beyond its steps' modelled time."""
-        bucket = batch_bucket(num_sampled)
-        old = self._start_costs.get(bucket)
-        self._start_costs[bucket] = (sample if old is None else 0.5 * self._decayed(old, self.start_cost_decay)
-                                     + 0.5 * sample, self.guard.num_steps)
-
-    def _decayed(self, measured: tuple[float, int], decay: float) -> float:
-        value, at = measured
-        return value * decay ** (self.guard.num_steps - at) if value else 0.0
-
-    def start_cost(self, num_sampled: int) -> float:
-        """What starting a spell of a batch of `num_sampled` cost beyond its steps (plain-step cost
-        units), as measured at its batch-size bucket, decayed since."""
-        measured = self._start_costs.get(batch_bucket(num_sampled))
-        return self._decayed(measured, self.start_cost_decay) if measured else 0.0
-
     def step_overhead(self, num_sampled: int) -> float:
         """What a drafting step of a batch of `num_sampled` sampling requests costs beyond the model
         (plain-step units), as measured at its batch-size bucket, decayed since."""
-        measured = self._overheads.get(batch_bucket(num_sampled))
-        return self._decayed(measured, self.overhead_decay) if measured else 0.0
+        overhead, at = self._overheads.get(batch_bucket(num_sampled), (0.0, 0))
+        return overhead * self.overhead_decay ** (self.guard.num_steps - at) if overhead else 0.0
 
     def assume_overhead(self, num_sampled: int, overhead: float) -> None:
         """Take `overhead` as measured now for batches of `num_sampled` (tests, replays)."""
@@ -501,7 +463,7 @@ class AdaptiveK:
         the positions the drafter would catch up if every request drafted now (`plan`'s)."""
         if not self.adaptive:
             return True
-        priced = self._prices_start(catch_up, num_sampled)
+        priced = self._prices_start(catch_up)
         rows = None
         margin = self._margin(num_sampled)
         prior = self._pooled() if self.shared_prior else self.best_prior
@@ -517,7 +479,7 @@ class AdaptiveK:
                 if num * gain * base > (1 + margin) * num_sampled * extra:
                     if not priced:
                         return True
-                    rows = (catch_up() if catch_up is not None else 0) if rows is None else rows
+                    rows = catch_up() if rows is None else rows
                     if self._repays_start(num * gain / num_sampled * base - extra, rows * num / num_sampled,
                                           num_sampled, num_base_tokens, base):
                         return True
@@ -610,30 +572,26 @@ class AdaptiveK:
             beats_plain = (tokens - len(rooms)) * base_cost > (1 + margin) * len(rooms) * (cost - base_cost)
             if plan[3] and beats_plain and (best is None or tokens * best[1] > best[0] * cost):
                 best = plan
-        if best is not None and self._prices_start(catch_up, len(rooms)):
+        if best is not None and self._prices_start(catch_up):
             tokens, cost, ks, _ = best
             saving = tokens / len(rooms) * base_cost - cost
-            rows = catch_up([r for r, k in ks.items() if k]) if catch_up is not None else 0
-            if not self._repays_start(saving, rows, len(rooms), num_base_tokens, base_cost):
+            if not self._repays_start(saving, catch_up([r for r, k in ks.items() if k]), len(rooms), num_base_tokens,
+                                      base_cost):
                 best = None
         _, cost, ks, model_gain = best or plain
         return self._settle(ks, keys, model_gain, cost / base_cost)
 
-    def _prices_start(self, catch_up: Callable | None, num_sampled: int) -> bool:
-        """Would drafts now start a spell whose start is priced (its catch-up, `catch_up_share`, or its
-        measured `start_cost`)?"""
-        if self._spell:
-            return False
-        return (catch_up is not None and self.catch_up_share > 0) or self.start_cost(num_sampled) > 0
+    def _prices_start(self, catch_up: Callable | None) -> bool:
+        """Would drafts now start a spell whose catch-up is priced (`catch_up_share`)?"""
+        return not self._spell and catch_up is not None and self.catch_up_share > 0
 
     def _repays_start(self, saving: float, rows: float, num_sampled: int, num_base_tokens: int,
                       base_cost: float) -> bool:
         """Would drafts that save `saving` a step (cost units: the plain time of their expected tokens
-        less their step's cost), starting a spell of `num_sampled` requests, repay the start (the
-        drafter's catch-up over `rows` positions, or what starts cost as measured) within as many steps
-        as such spells lasted?"""
+        less their step's cost), starting a spell of `num_sampled` requests, repay the drafter's
+        catch-up over `rows` positions within as many steps as such spells lasted?"""
         start = self.costs(num_base_tokens + round(self.catch_up_share * rows)) - base_cost
-        return saving * self._horizon(batch_bucket(num_sampled)) > max(start, self.start_cost(num_sampled))
+        return saving * self._horizon(batch_bucket(num_sampled)) > start
 
     def _horizon(self, bucket: int) -> float:
         """How many plans spells at this batch-size bucket last (what a start must repay itself within)."""
@@ -648,7 +606,6 @@ class AdaptiveK:
         """Record the plan `ks` (what the guard and the deferral read) and return it."""
         self._plan_steps = max(ks.values(), default=0)
         self._empty_plans = self._empty_plans + 1 if self._plan_steps == 0 else 0
-        self._plan_starts = bool(self._plan_steps) and not self._spell
         if self._plan_steps:
             self._drafted_at = self.guard.num_steps
             if not self._spell:

@@ -422,7 +422,6 @@ def test_a_dear_retry_bars_its_batch_size_for_longer(clock):
     (8 << backoff) x the plain steps it lost: retries go on, rarer."""
     def spells_and_throughput(bar: bool) -> tuple[int, float]:
         p = head_policy(0.0515)
-        p.start_cost = lambda num_sampled: 0.0  # the bar alone (starts priced as measured: below)
         if not bar:
             p.barred = lambda num_sampled: False
         return spell_starts(p, clock, **MANY_REQUESTS)
@@ -465,7 +464,6 @@ def test_a_spell_starts_only_if_its_drafts_repay_the_catch_up(clock):
     def run(case: dict, rows: int, priced: bool) -> tuple[int, float]:
         p = head_policy(0.0515)
         p.catch_up_share = 0.036 if priced else 0.0
-        p.start_cost = lambda num_sampled: 0.0  # the model's price alone (as measured: below)
         return spell_starts(p, clock, **case, catch_up_rows=rows)
 
     tries, control = run(MANY_REQUESTS, 21_000, priced=False)
@@ -484,25 +482,6 @@ def test_a_spell_starts_only_if_its_drafts_repay_the_catch_up(clock):
     assert tries >= 1 and throughput > 1.4
     one = dict(MANY_REQUESTS, num_reqs=1, plain_deferred=4.9e-3, plain_sync=5.6e-3, drafting=6.6e-3, catch_up=0.5e-3)
     assert run(one, 360, priced=True)[1] > 1.55
-
-
-def test_a_start_that_cost_more_than_the_model_priced_is_not_retried_soon(clock):
-    """A spell's first drafting step pays the catch-up: measured, it prices the next starts at that batch
-    size (`start_cost`), decaying with a half-life of ~1000 steps. Here the model is not told of the
-    catch-up (22 ms at 64 requests, ~4-6 plain steps), as on a CPU where its parameter-count price was
-    far under what a start took: spells were retried as soon as the bar allowed."""
-    def run(measured: bool) -> tuple[int, float, AdaptiveK]:
-        p = head_policy(0.0515)
-        if not measured:
-            p.start_cost = lambda num_sampled: 0.0
-        return *spell_starts(p, clock, **MANY_REQUESTS), p
-
-    control_tries, control, _ = run(measured=False)
-    tries, throughput, p = run(measured=True)
-    assert p._start_costs[batch_bucket(64)][0] > 2.0 * p.costs(64)  # a catch-up's worth, not the steady overhead
-    assert tries < control_tries and throughput > control + 0.002, (tries, control_tries, throughput, control)
-    one = dict(MANY_REQUESTS, num_reqs=1, plain_deferred=4.9e-3, plain_sync=5.6e-3, drafting=6.6e-3, catch_up=0.5e-3)
-    assert run_async_steps(head_policy(0.0515), clock, **one) > 1.55  # a cheap start: drafts as before
 
 
 def test_the_policy_is_dormant_after_steps_without_drafts_only(clock):
