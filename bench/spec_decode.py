@@ -202,6 +202,8 @@ def configs(args) -> list[tuple[str, dict | None]]:
     base = dict(num_speculative_tokens=k, adaptive=not args.no_adaptive)
     if args.compute_bound_tokens:
         base["compute_bound_tokens"] = args.compute_bound_tokens
+    if args.draft_cost is not None:
+        base["draft_cost"] = args.draft_cost
     if args.load_format != "dummy":
         out = [("none", None), ("ngram", dict(base, method="ngram", prompt_lookup_max=args.prompt_lookup_max))]
         if args.no_ngram:
@@ -346,6 +348,9 @@ def main() -> int:
     ap.add_argument("--prompt-lookup-max", type=int, default=8)
     ap.add_argument("--no-adaptive", action="store_true")
     ap.add_argument("--compute-bound-tokens", type=int, default=None, help="adaptive k: the ridge point")
+    ap.add_argument("--draft-cost", type=float, default=None,
+                    help="adaptive k: a draft step's price in target steps (the config's draft_cost; 100: "
+                         "a control that never drafts, the drafter loaded)")
     ap.add_argument("--simulated-acceptance", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--eagle", default=None, help="an EAGLE head directory (with dummy weights: any value, "
                     "a random head accepting at --eagle-acceptance; dummy3: one that fuses target layers)")
