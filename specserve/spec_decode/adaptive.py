@@ -405,10 +405,13 @@ class AdaptiveK:
     def _end_spell(self, num_sampled: int) -> None:
         """A spell ended: each batch-size bucket it drafted at is judged by its recent drafting steps:
         a loss backs off its next spells, a clear gain (`clear_gain`) lifts its bar, a small one undoes
-        one loss's backoff."""
+        one loss's backoff. Its length counts towards its bucket's horizon only where a plan at that
+        batch size ended it (a spell cut short by its batch moving to another size is no measure)."""
         self._ended_buckets = self._spell_buckets
-        for bucket in self._spell_buckets:
+        if batch_bucket(num_sampled) == self._spell_bucket:  # its plans stopped paying, not its batch moving
+            bucket = self._spell_bucket
             self._spell_steps[bucket] = (0.5 * self._horizon(bucket) + 0.5 * self._spell, self.guard.num_steps)
+        for bucket in self._spell_buckets:
             realized = self._realized.get(bucket)
             if realized is None:
                 continue
