@@ -10,6 +10,7 @@ device, one layer at a time, so the device never holds the full-precision copy o
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -72,8 +73,12 @@ def silence_int8_cast_warning() -> None:
 
 
 def is_quantized_module(module: nn.Module) -> bool:
-    import bitsandbytes as bnb
-    return isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))
+    """Is `module` a bitsandbytes layer? Without importing bitsandbytes where nothing has: a model that
+    holds its layers imported it, and importing it costs an unquantized engine's start-up a warning
+    on AVX512-BF16 CPUs (bitsandbytes 0.50 looks for a CPU kernel on the model hub, and says so when
+    it cannot reach it)."""
+    bnb = sys.modules.get("bitsandbytes")
+    return bnb is not None and isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))
 
 
 def dequantize_weight(module: nn.Module) -> torch.Tensor:

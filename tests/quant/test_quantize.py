@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -132,6 +134,20 @@ def test_unsupported_combinations_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="compute capability 7.5"):
         check_supported(INT8, torch.device("cuda"), torch.float16)
     check_supported(NF4, torch.device("cuda"), torch.float16)  # nf4 runs on older GPUs
+
+
+def test_an_unquantized_engine_does_not_import_bitsandbytes(tiny_llama_dir):
+    """A real process builds and runs an unquantized engine: bitsandbytes stays unimported (importing it
+    printed a model-hub warning at every start-up on AVX512-BF16 CPUs); a quantized one imports it."""
+    code = ("import sys\nfrom specserve import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny_llama_dir)!r}, device='cpu', dtype='float32'EXTRA)\n"
+            "llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=2))\n"
+            "print('bitsandbytes' in sys.modules)")
+    for extra, imported in (("", "False"), (", quantization='bitsandbytes-int8'", "True")):
+        out = subprocess.run([sys.executable, "-c", code.replace("EXTRA", extra)], capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == imported, (extra, out.stdout)
 
 
 def test_missing_bitsandbytes_says_how_to_install(monkeypatch, tiny_llama_dir):
