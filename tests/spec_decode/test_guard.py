@@ -553,13 +553,15 @@ def test_a_batch_just_under_a_barred_size_is_barred():
 
 def test_a_spell_does_not_go_on_into_a_barred_batch_size():
     """A spell started at 40 requests ends when the batch grows into 64's barred bucket, and is judged
-    at the batch size it drafted at (40's), not 64's."""
+    at the batch size it drafted at (40's), not 64's; cut short so, its length is no measure of how
+    long spells at 40 last (their horizon)."""
     p = wide_policy()
     bar_at_64(p)
     assert all(p.plan(rooms_of(40), 40, 1000).values()) and p._spell == 1
     p._realized[batch_bucket(40)] = -0.1
     assert set(p.plan(rooms_of(64), 64, 1000).values()) == {0}
     assert p._spell == 0 and p._backoff == {batch_bucket(40): 1, batch_bucket(64): 3}
+    assert batch_bucket(40) not in p._spell_steps
     p.guard.tick()
     assert all(p.plan(rooms_of(16), 16, 1000).values())  # another, unbarred, batch size drafts
 
