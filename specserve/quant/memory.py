@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specserve.quant.bnb import is_quantized_module
+
 
 @dataclass(slots=True)
 class WeightMemory:
@@ -63,13 +65,7 @@ def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 def _is_quantized(module: nn.Module) -> bool:
     from specserve.quant.vocab import QuantizedVocab
 
-    if isinstance(module, QuantizedVocab):
-        return True
-    try:
-        from specserve.quant.bnb import is_quantized_module
-        return is_quantized_module(module)
-    except ImportError:
-        return False
+    return isinstance(module, QuantizedVocab) or is_quantized_module(module)
 
 
 def weight_memory(*models: nn.Module | None) -> WeightMemory:

@@ -151,7 +151,6 @@ def test_an_unquantized_engine_does_not_import_bitsandbytes(tiny_llama_dir):
 
 
 def test_missing_bitsandbytes_says_how_to_install(monkeypatch, tiny_llama_dir):
-    import sys
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ValueError, match=r"pip install 'specserve\[quant\]'"):
         LLM(str(tiny_llama_dir), device="cpu", quantization=NF4, num_kv_blocks=8)
