@@ -35,6 +35,9 @@ ENV_SWITCH = "SPECSERVE_CPU_LINEAR"  # "torch": leave linear layers to nn.functi
 # weights smaller than this (elements) stay with torch: a oneDNN call costs ~15 us more on its own, which
 # a 576 x 576 layer breaks even with at one token (bench/cpu_linear.py) and a test-sized one never does
 MIN_PACKED_ELEMENTS = 1 << 18
+# (out_features, in_features, dtype) -> does oneDNN compute a lone row of such a product differently from
+# the same row in a batch, on this CPU (`PackedLinear._one_row_differs`)
+_ONE_ROW_DIFFERS: dict[tuple[int, int, torch.dtype], bool] = {}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -63,7 +66,10 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self.bias = None if bias is None else bias.detach().clone()
-            self.pad_one_row = self._one_row_differs()
+            key = (self.out_features, self.in_features, self.dtype)
+            if key not in _ONE_ROW_DIFFERS:  # oneDNN's blocking follows the shape: one check per shape
+                _ONE_ROW_DIFFERS[key] = self._one_row_differs()
+            self.pad_one_row = _ONE_ROW_DIFFERS[key]
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
