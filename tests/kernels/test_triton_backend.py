@@ -78,26 +78,29 @@ def test_torch_backend_sliding_window_matches_reference(window):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_heads, num_kv_heads, window", [(6, 2, None), (6, 2, 5), (4, 4, None), (8, 1, None)])
-def test_torch_backend_half_precision_decodes_match_the_reference(dtype, num_heads, num_kv_heads, window):
-    """On the CPU in bf16 / fp16 the decode group (one query row per request) runs the query heads that
-    share a KV head as rows of one query (`_one_row_attention`; a lone row of a KV head per query head
-    is doubled): the same attention as the reference over every head, window and padded request."""
+def test_torch_backend_half_precision_short_queries_match_the_reference(dtype, num_heads, num_kv_heads, window):
+    """On the CPU in bf16 / fp16 the decode group (one query row per request) and the verification group
+    (a few rows per request) run the query heads that share a KV head as rows of one query
+    (`_folded_attention`; a lone row of a KV head per query head is doubled): the same attention as the
+    reference over every head, window and padded request; a long prefill chunk is not folded."""
     from specserve.kernels import ref_paged_attention
     from specserve.models.layers import torch_attn
 
-    meta, qkv, cache = make_step([1, 1, 1, 4], [23, 1, 40, 9], num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                 head_dim=32, block_size=4, dtype=dtype, device=torch.device("cpu"), seed=num_heads)
+    meta, qkv, cache = make_step([1, 1, 1, 4, 2, 40], [23, 1, 40, 9, 30, 45], num_heads=num_heads,
+                                 num_kv_heads=num_kv_heads, head_dim=32, block_size=4, dtype=dtype,
+                                 device=torch.device("cpu"), seed=num_heads)
     backend = TorchAttentionBackend()
     backend.prepare(meta)
     scale = 32 ** -0.5
     calls = []
-    one_row = torch_attn._one_row_attention
-    torch_attn._one_row_attention = lambda *a: calls.append(a[0].shape) or one_row(*a)
+    folded = torch_attn._folded_attention
+    torch_attn._folded_attention = lambda *a: calls.append(a[0].shape) or folded(*a)
     try:
         out = backend.forward(*qkv, cache, meta, scale, sliding_window=window)  # writes the step's KV
     finally:
-        torch_attn._one_row_attention = one_row
-    assert calls == [torch.Size([3, num_heads, 1, 32])]  # the three decodes; the verification as before
+        torch_attn._folded_attention = folded
+    # the three decodes, then the two verifications (padded to 4 rows); the 40-token chunk is not folded
+    assert calls == [torch.Size([3, num_heads, 1, 32]), torch.Size([2, num_heads, 4, 32])]
     ref = ref_paged_attention(qkv[0].float(), cache.float(), meta.query_start_loc, meta.seq_lens, meta.block_tables,
                               scale, sliding_window=window)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
