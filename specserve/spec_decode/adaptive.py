@@ -106,6 +106,9 @@ class AdaptiveK:
         self._t_verified: float | None = None
         self._propose_seconds = 0.0
         self._carried_seconds = 0.0
+        # of the proposer's work: the part that caught its drafter up over positions from before the
+        # step it followed (`caught_up`: a spell's start), after this step and after the step before
+        self._catch_up_seconds = self._carried_catch_up = 0.0
         # the last plan: the accepted tokens the model expects of its drafts (before the guard's
         # scaling), and its step's modelled cost over the plain step's
         self._predicted_accepted, self._cost_ratio = 0.0, 1.0
@@ -207,6 +210,7 @@ class AdaptiveK:
         self._overheads.clear()
         self._pending, self._t_verified, self._skipped = None, None, None
         self._propose_seconds = self._carried_seconds = 0.0
+        self._catch_up_seconds = self._carried_catch_up = 0.0
         self._timing = self._skipping = False
         self._skip_run = 0
         self._probe_left = self._skips_since_plan = self._empty_plans = self._spell = 0
@@ -277,10 +281,11 @@ class AdaptiveK:
         ended now; start this one's clock."""
         self._start = time.perf_counter()
         if self._pending is not None:
-            *step, start, carried = self._pending
-            self._judge(self._start - start - self._propose_seconds + carried, *step)
+            *step, start, carried, catch_up = self._pending
+            self._judge(self._start - start - self._propose_seconds + carried, catch_up, *step)
             self._pending = None
         self._carried_seconds, self._propose_seconds = self._propose_seconds, 0.0
+        self._carried_catch_up, self._catch_up_seconds = self._catch_up_seconds, 0.0
         self._probe_left = max(0, self._probe_left - 1)
         self._skip_run = self._skip_run + 1 if self._skipping else 0
         self._skipping = False
@@ -346,7 +351,7 @@ class AdaptiveK:
         accepted = predicted if self.shared_prior else num_accepted
         self._pending = (num_base_tokens, num_draft_tokens, num_sampled, accepted, predicted, self._cost_ratio,
                          self._plan_overhead, max(self._plan_steps, 0), num_accepted is None, self._start,
-                         self._carried_seconds)
+                         self._carried_seconds, self._carried_catch_up)
 
     def proposals_made(self) -> None:
         """The proposer's work after `step_finished` is done (its catch-up, lookups and the next
@@ -355,11 +360,22 @@ class AdaptiveK:
             self._propose_seconds = time.perf_counter() - self._t_verified
             self._t_verified = None
 
-    def _judge(self, seconds: float, num_base_tokens: int, num_draft_tokens: int, num_sampled: int,
-               num_accepted: float, predicted: float, cost_ratio: float, plan_overhead: float,
+    def caught_up(self, seconds: float) -> None:
+        """Of the proposer's work after this step, `seconds` caught its drafter up over positions from
+        before the step (a spell's start: every position since the drafter last ran for its requests;
+        a drafting step's own catch-up covers the step's new tokens alone). The step that verifies
+        the drafts it made is judged without them (its overhead and the guard's trust are what a
+        drafting step costs in a spell), its spell with them (what the start cost is the spell's loss):
+        on an Intel Xeon with AMX, at 64 requests, a start's catch-up took ~3 plain steps, and judged
+        as the drafting step's own cost it ended every spell there after one drafting step."""
+        self._catch_up_seconds += seconds
+
+    def _judge(self, seconds: float, catch_up: float, num_base_tokens: int, num_draft_tokens: int,
+               num_sampled: int, num_accepted: float, predicted: float, cost_ratio: float, plan_overhead: float,
                num_draft_steps: int, on_device: bool) -> None:
-        """A synchronous step took `seconds`: to the guard (and a drafting step's to `step_overhead`).
-        `self._plan_steps` is still the plan made during this step (its drafts for the next one)."""
+        """A synchronous step took `seconds`, `catch_up` of them a spell start's catch-up (`caught_up`):
+        to the guard (and a drafting step's to `step_overhead`). `self._plan_steps` is still the plan
+        made during this step (its drafts for the next one)."""
         made_drafts = self._plan_steps > 0
         base_cost = self.costs(num_base_tokens)
         if num_draft_tokens == 0 and self.async_steps and not self.probing():
@@ -379,21 +395,24 @@ class AdaptiveK:
             # step of a spell did not, so it is cheaper than the spell's steps were
             self.guard.tick()
             return
+        judged = seconds - catch_up if 0 < catch_up < seconds else seconds
         if num_draft_tokens:
-            self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, num_sampled, seconds)
+            self._learn_overhead(num_base_tokens, num_draft_tokens, num_draft_steps, num_sampled, judged)
             # the guard's trust is for what the cost model, with the overhead learned since the plan,
             # does not explain: the overhead alone prices a drafting step's extra time
             cost_ratio += (self.step_overhead(num_sampled) - plan_overhead) / base_cost
-        speedup = self.guard.observe(num_base_tokens, base_cost, seconds, num_sampled, num_accepted,
+        speedup = self.guard.observe(num_base_tokens, base_cost, judged, num_sampled, num_accepted,
                                      num_draft_tokens, predicted, cost_ratio)
         unit = self.guard.plain_unit(num_base_tokens)
-        if speedup is not None and unit is not None:
-            self._fared(num_sampled, speedup, seconds / (unit * base_cost))
+        if speedup is not None and unit is not None:  # the spell pays its start's catch-up
+            self._fared(num_sampled, speedup * judged / seconds, seconds / (unit * base_cost))
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("step %d: base %d drafts %d steps %d took %.3f ms = %s plain; overhead %.2f trust %.2f"
+            logger.debug("step %d: base %d drafts %d steps %d took %.3f ms = %s plain%s; overhead %.2f trust %.2f"
                          " speedup %s", self.guard.num_steps, num_base_tokens, num_draft_tokens, num_draft_steps,
-                         seconds * 1e3, f"{seconds / unit:.2f}" if unit else "?", self.step_overhead(num_sampled),
-                         self.guard.trust(num_base_tokens), f"{speedup:.2f}" if speedup else "?")
+                         seconds * 1e3, f"{seconds / unit:.2f}" if unit else "?",
+                         f" ({catch_up * 1e3:.3f} ms a start's catch-up)" if judged < seconds else "",
+                         self.step_overhead(num_sampled), self.guard.trust(num_base_tokens),
+                         f"{speedup:.2f}" if speedup else "?")
 
     def _fared(self, num_sampled: int, speedup: float, plain_steps: float) -> None:
         """A step of a spell (or one that started it), `plain_steps` plain steps' time long, ran at

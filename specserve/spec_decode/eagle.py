@@ -33,6 +33,7 @@ rejection sampler.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -206,7 +207,13 @@ class EagleProposer:
             return {}
         chained = [slot for slot, _, _ in segments]
         ks = [slot.k for slot in chained]
+        t0 = time.perf_counter()
         newest, meta, ks_d = self._catch_up(segments, ks)
+        # rows from before this step's positions: a spell's start (the head had not run for them)
+        rows = sum(end - start for _, start, end in segments)
+        behind_rows = sum(max(0, slot.sched.start - start) for slot, start, _ in segments)
+        if behind_rows:  # the host's clock: on a GPU the forward is still queued (its launch alone)
+            self.policy.caught_up((time.perf_counter() - t0) * behind_rows / rows)
         chain = self.chain_graphs
         if chain is not None and chain.can_run(len(ks), max(ks)) and \
                 all(slot.sched.request.sampling_params.greedy for slot in chained):
