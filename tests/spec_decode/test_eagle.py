@@ -394,7 +394,8 @@ def _eagle_llm(tiny_llama_dir, trained_head_dir, **args) -> LLM:
 def test_steps_without_drafts_run_no_head_forward(tiny_llama_dir, trained_head_dir):
     """While adaptive k gives everyone k = 0 the head does not run at all (the step's hidden states
     are only stored at their KV slots); when drafting resumes it catches up in one forward over
-    everything the target computed meanwhile, and its drafts are accepted as usual."""
+    everything the target computed meanwhile (reported to the policy as the spell's start), and its
+    drafts are accepted as usual."""
     llm = _eagle_llm(tiny_llama_dir, trained_head_dir)
     calls = _head_query_lens(llm)
     policy = llm.engine.proposer.policy
@@ -405,11 +406,16 @@ def test_steps_without_drafts_run_no_head_forward(tiny_llama_dir, trained_head_d
         return plan(rooms, *a, catch_up=catch_up) if len(plans) > 8 else dict.fromkeys(rooms, 0)
 
     policy.plan = later
+    starts = []  # what the proposer reports of its catch-ups as a spell's start (judged apart: `caught_up`)
+    caught_up = policy.caught_up
+    policy.caught_up = lambda seconds: starts.append(seconds) or caught_up(seconds)
     prompt = spec_prompts()[4]  # 96 tokens
     out = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
     assert out.outputs[0].token_ids == reference_one(tiny_llama_dir, prompt)
     # the first head call: the prompt and the 9 tokens of the plain steps, plus the newest token
     assert calls[0] == [len(prompt) + 9] and plans[8] == len(prompt) + 9
+    # that catch-up alone covered positions from before its step: the spell's start
+    assert len(starts) == 1 and starts[0] > 0
     assert plans[:3] == [len(prompt) + 1, len(prompt) + 2, len(prompt) + 3]
     # a catch-up position costs the head's layer and fc against a target token (layers and logits)
     head, arch = llm.engine.proposer.head, llm.engine.loaded.arch
