@@ -18,6 +18,14 @@ from specserve.sample.structured import GrammarMasks, RequestGrammar
 from specserve.sampling_params import SamplingParams
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, the first of ties (`x.argmax(dim=-1)`). On the CPU through
+    `max(dim=-1)`, whose kernel gives the same indices (ties and NaN included; tested) and runs 2.8x
+    faster in fp32 (64 x 49,152 logits: 0.86 against 2.4 ms on a 2-core Xeon, a greedy step's sampling)
+    and 4.6x in bf16; elsewhere argmax itself."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+
+
 class RequestGenerators:
     """One torch.Generator per seeded request, made on first use from its seed: target sampling, a
     draft model's draws and the rejection sampler's uniforms all draw from it, in that order."""
@@ -177,12 +185,12 @@ class Sampler:
                 rows[i].grammar.fill(bitmask, i)
             self.masks.apply(processed, bitmask, constrained)
         if all(p.greedy for p in params):
-            tokens = processed.argmax(dim=-1)
+            tokens = argmax_rows(processed)
         else:
             tokens = draw(probs_for(processed, params), [None if p.greedy else r.generator
                                                          for p, r in zip(params, rows)])
             greedy = [i for i, p in enumerate(params) if p.greedy]
             if greedy:  # exact argmax for greedy rows (the one-hot draw equals it; this avoids the draw)
                 idx = torch.tensor(greedy, device=processed.device)
-                tokens[idx] = processed[idx].argmax(dim=-1)
+                tokens[idx] = argmax_rows(processed[idx])
         return tokens

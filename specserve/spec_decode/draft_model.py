@@ -34,7 +34,7 @@ import torch
 
 from specserve.engine.outputs import SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
-from specserve.sample.sampler import draw, probs_for
+from specserve.sample.sampler import argmax_rows, draw, probs_for
 from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, skipped, step_verified
 from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
@@ -189,7 +189,7 @@ class DraftModelProposer:
         """One draft token per row of logits [N, V]; random requests keep the q they drew from."""
         params = [slot.sched.request.sampling_params for slot in slots]
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         q = probs_for(logits, params)  # [N, V], one-hot for greedy rows
         gens = [None if p.greedy else self.generators.get(slot.sched.request.request_id, p.seed)
                 for slot, p in zip(slots, params)]

@@ -44,7 +44,7 @@ from specserve.engine.cuda_graphs import replay_seconds
 from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.engine.step_inputs import PendingTokens, batch_metadata, chain_metadata
 from specserve.models.layers.attention import AttentionMetadata
-from specserve.sample.sampler import draw, probs_for
+from specserve.sample.sampler import argmax_rows, draw, probs_for
 from specserve.spec_decode.adaptive import (AdaptiveK, DraftSlot, draft_room, nothing_to_draft, plan_step,
                                             planned_on_device, skipped, step_tokens, step_verified)
 from specserve.spec_decode.draft_kv import DraftEntries
@@ -474,7 +474,7 @@ class EagleProposer:
         vocab = self.head.draft_vocab
         params = [slot.sched.request.sampling_params for slot in slots]
         if all(p.greedy for p in params):
-            return vocab[logits.argmax(dim=-1)]
+            return vocab[argmax_rows(logits)]
         q = probs_for(logits, params)  # [N, Vd], one-hot for greedy rows
         gens = [None if p.greedy else self.generators.get(slot.sched.request.request_id, p.seed)
                 for slot, p in zip(slots, params)]

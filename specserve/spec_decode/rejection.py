@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from specserve.engine.outputs import ModelRunnerOutput
-from specserve.sample.sampler import SamplingRow, apply_penalties, draw, probs_for, top_logprobs
+from specserve.sample.sampler import SamplingRow, apply_penalties, argmax_rows, draw, probs_for, top_logprobs
 from specserve.sample.structured import GrammarMasks
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class RejectionSampler:
         rand = [i for i, r in enumerate(reqs) if not r.row.params.greedy]
         if greedy:
             g = torch.tensor(greedy, device=device)
-            argmax = target[g].argmax(dim=-1)  # [G, K+1]
+            argmax = argmax_rows(target[g])  # [G, K+1]
             if self.simulated_acceptance is None:
                 accepted = (argmax[:, :max_k] == drafts[g]) & valid[g]
             else:
@@ -160,7 +160,7 @@ class RejectionSampler:
         case): the target's argmax of every row in one kernel and one copy to the host, compared with
         the drafts there. The same tokens as the general path (the same argmax of the same rows),
         without its dozen small kernels and host-to-device copies per step."""
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = argmax_rows(logits).tolist()
         simulated = None
         if self.simulated_acceptance is not None:
             simulated = self._simulated(len(reqs), max(len(r.draft_ids) for r in reqs), "cpu").tolist()

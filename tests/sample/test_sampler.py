@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.sample.sampler import Sampler, SamplingRow, apply_penalties, probs_for
+from specserve.sample.sampler import Sampler, SamplingRow, apply_penalties, argmax_rows, probs_for
 from specserve.sampling_params import SamplingParams
 
 
@@ -109,3 +109,16 @@ def test_logprobs_match_log_softmax_reference():
 def test_bad_params_are_clear_value_errors(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_argmax_with_ties_and_nan(dtype):
+    """`argmax_rows` (on the CPU through max(dim=-1), which runs faster) gives argmax's indices: the
+    first of tied maxima (few distinct values: many ties), a NaN's where a row has one."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(1, 49152), (64, 49152), (130, 1000), (3, 7)]:
+        for distinct in (2, 50, None):
+            x = (torch.randint(0, distinct, shape, generator=gen) if distinct
+                 else torch.randn(shape, generator=gen)).to(dtype)
+            x[0, shape[1] // 2] = float("nan") if distinct == 50 else x[0, shape[1] // 2]
+            assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), (shape, distinct)
