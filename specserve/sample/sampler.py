@@ -119,7 +119,7 @@ def probs_for(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
     if greedy:
         idx = torch.tensor(greedy, device=device)
         one_hot = torch.zeros(len(greedy), vocab, device=device, dtype=probs.dtype)
-        one_hot.scatter_(1, logits[idx].argmax(dim=-1, keepdim=True), 1.0)
+        one_hot.scatter_(1, argmax_rows(logits[idx]).unsqueeze(1), 1.0)
         probs[idx] = one_hot
     return probs
 

@@ -210,9 +210,9 @@ class EagleProposer:
         t0 = time.perf_counter()
         newest, meta, ks_d = self._catch_up(segments, ks)
         # rows from before this step's positions: a spell's start (the head had not run for them)
-        rows = sum(end - start for _, start, end in segments)
         behind_rows = sum(max(0, slot.sched.start - start) for slot, start, _ in segments)
         if behind_rows:  # the host's clock: on a GPU the forward is still queued (its launch alone)
+            rows = sum(end - start for _, start, end in segments)
             self.policy.caught_up((time.perf_counter() - t0) * behind_rows / rows)
         chain = self.chain_graphs
         if chain is not None and chain.can_run(len(ks), max(ks)) and \

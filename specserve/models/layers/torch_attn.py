@@ -22,10 +22,9 @@ HALF_TYPES = (torch.bfloat16, torch.float16)
 class _Group:
     q_index: torch.Tensor  # [B, Q] flat token index of each (padded) query row
     q_valid: torch.Tensor | None  # [B, Q] bool, None when no row is padding
-    block_tables: torch.Tensor  # [B, num_blocks]
     mask: torch.Tensor  # [B, 1, Q, num_blocks * block_size] bool, True = attend
     q_pos: torch.Tensor  # [B, Q] absolute position of each query row
-    block_ids: torch.Tensor  # [B * num_blocks] the block tables flattened (the KV gather's index)
+    block_ids: torch.Tensor  # [B * num_blocks] the requests' block tables, flattened (the KV gather's index)
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask, per step
     folded: dict[tuple, torch.Tensor] = field(default_factory=dict)  # (window, rows per KV head) -> mask
 
@@ -89,8 +88,8 @@ class TorchAttentionBackend:
         kv_pos = torch.arange(num_blocks * block_size, device=device)
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < s_lens_t[:, None, None])
         return _Group(q_index=q_index, q_valid=None if min(q_lens) == max_q else q_valid,
-                      block_tables=meta.block_tables[req_idx, :num_blocks].long(), mask=mask[:, None],
-                      q_pos=q_pos, block_ids=meta.block_tables[req_idx, :num_blocks].reshape(-1).long())
+                      block_ids=meta.block_tables[req_idx, :num_blocks].reshape(-1).long(), mask=mask[:, None],
+                      q_pos=q_pos)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
