@@ -27,7 +27,7 @@ request's temperature / top-k / top-p and generator; q is kept for the rejection
 from __future__ import annotations
 
 import logging
-
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -143,12 +143,14 @@ class DraftModelProposer:
         query_lens, seq_lens, tables, last_rows = [], [], [], []
         proposing: list[DraftSlot] = []
         ends: list[int] = []  # per proposing request: context length (its last token is new)
+        behind_rows = 0  # rows from before the step's positions: a spell's start (the draft had not run)
         for s, done, verified, slot in segments:
             drafting = slot is not None and slot.k > 0
             end = verified + 1 if drafting else verified  # a drafting request feeds its newest token
             self.entries.computed[s.request.request_id] = end
             if end <= done:
                 continue
+            behind_rows += max(0, min(s.start, end) - done)
             input_ids += _context(s.request, slot.new_ids if slot else [], done, end)
             query_lens.append(end - done)
             seq_lens.append(end)
@@ -159,7 +161,10 @@ class DraftModelProposer:
                 ends.append(end)
         if not query_lens:
             return {}
+        t0 = time.perf_counter()
         hidden = executor.forward_tokens(input_ids, query_lens, seq_lens, tables)
+        if behind_rows:  # the host's clock: on a GPU the forward is still queued (its launch alone)
+            self.policy.caught_up((time.perf_counter() - t0) * behind_rows / len(input_ids))
         if not proposing:
             return {}
         logits = executor.compute_logits(hidden[torch.tensor(last_rows, device=device)])  # [P, V]

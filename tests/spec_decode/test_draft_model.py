@@ -90,7 +90,8 @@ def test_blocks_computed_without_the_draft_are_not_trusted(tiny_llama_dir, trust
 
 def test_draft_catches_up_after_speculation_was_off(tiny_llama_dir):
     """k = 0 for the first steps (the draft falls behind), then on again: the draft catches up in
-    one forward and, being the target, is accepted every time."""
+    one forward (reported to the policy as the spell's start) and, being the target, is accepted
+    every time."""
     llm = self_draft_llm(tiny_llama_dir)
     proposer = llm.engine.proposer
     plan, steps = proposer.policy.plan, []
@@ -100,9 +101,14 @@ def test_draft_catches_up_after_speculation_was_off(tiny_llama_dir):
         return plan(rooms, *a, **kw) if len(steps) > 6 else dict.fromkeys(rooms, 0)
 
     proposer.policy.plan = sometimes
+    starts = []  # the catch-ups reported as a spell's start (judged apart from its steps: `caught_up`)
+    caught_up = proposer.policy.caught_up
+    proposer.policy.caught_up = lambda seconds: starts.append(seconds) or caught_up(seconds)
     calls = record_draft_queries(llm)
     out = llm.generate({"prompt_token_ids": spec_prompts()[1]}, GREEDY)[0]
     assert calls[0] == [25 + 7]  # prompt + 6 plain steps' tokens + the newest token, in one go
+    # that catch-up alone covered positions from before its step; the steps after it catch up their own
+    assert len(starts) == 1 and starts[0] > 0
     assert out.metrics.num_drafts > 0 and out.metrics.acceptance_rate == 1.0
 
 
