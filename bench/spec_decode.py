@@ -219,6 +219,8 @@ def configs(args) -> list[tuple[str, dict | None]]:
                 out.append(("eagle ahead", out[-1][1]))
             out += [(f"eagle {q}", dict(base, method="eagle", model=args.eagle, quantization=q))
                     for q in args.eagle_quantization]
+            if args.eagle_full_vocab:
+                out.append(("eagle full vocab", dict(base, method="eagle", model=args.eagle, draft_vocab="full")))
         return out
     out = [("none", None)]
     if args.eagle:  # a random head of the target's shape, accepting at the given rate per position
@@ -360,6 +362,9 @@ def main() -> int:
     ap.add_argument("--eagle-quantization", nargs="+", default=[], choices=["int8", "none"],
                     help="also run the EAGLE head with these weights (speculative_config quantization; the "
                          "default setup leaves it out)")
+    ap.add_argument("--eagle-full-vocab", action="store_true",
+                    help="also run the EAGLE head drafting over every target token (speculative_config "
+                         "draft_vocab full; real weights)")
     ap.add_argument("--host-drafting", action="store_true",
                     help="also run EAGLE with the host path: verification read back before drafting (on CUDA "
                          "the engine drafts on the device, with one host wait per step)")

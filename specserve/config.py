@@ -131,6 +131,10 @@ class SpecConfig:
     # (None = the device's default) and one draft-model step in target steps (None = parameter ratio).
     compute_bound_tokens: int | None = None
     draft_cost: float | None = None
+    # An EAGLE head's draft vocabulary: None, as trained (a reduced one: its LM head rows are the
+    # target's for those ids), or "full": every target token (the rows past the trained ones are the
+    # target's too; more drafts accepted, a wider LM head per draft step)
+    draft_vocab: str | None = None
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -166,6 +170,12 @@ class SpecConfig:
                 else [self.simulated_acceptance]
             if not rates or not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0 for a in rates):
                 raise ValueError("simulated_acceptance must be in [0, 1] (or a list of such, one per draft position)")
+        if self.draft_vocab is not None:
+            if self.draft_vocab != "full":
+                raise ValueError(f"draft_vocab is \"full\" (every target token) or left out (as trained), "
+                                 f"not {self.draft_vocab!r}")
+            if self.method not in EAGLE_METHODS:
+                raise ValueError(f"draft_vocab is for EAGLE heads, not speculative method {self.method}")
         if self.compute_bound_tokens is not None and self.compute_bound_tokens < 1:
             raise ValueError(f"compute_bound_tokens must be >= 1, got {self.compute_bound_tokens}")
         if self.draft_cost is not None and self.draft_cost < 0:

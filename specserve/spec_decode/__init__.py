@@ -138,6 +138,8 @@ def _eagle_proposer(spec: SpecConfig, policy: AdaptiveK, target: LoadedModel, de
     else:
         path = spec.model or shipped_head(target.path)
         head = load_head(path, dtype=target.dtype, device=device, max_positions=max_positions)
+    if spec.draft_vocab == "full":
+        head.widen_draft_vocab(target.arch.vocab_size)
     head.attach(*target_weights(target, device, target.dtype))  # whole tensors, also under tensor parallelism
     if head_quantization(spec.quantization, head, device) == "int8":
         head.use_int8_weights()

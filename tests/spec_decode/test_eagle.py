@@ -694,6 +694,28 @@ def test_random_sampling_keeps_the_target_distribution(tiny_llama_dir, trained_h
     assert chi2 < dof + 3.3 * (2 * dof) ** 0.5 + 10, (chi2, dof)
 
 
+def test_widening_the_draft_vocabulary_keeps_the_trained_ids_first(tiny_llama_dir):
+    target = _target(tiny_llama_dir)
+    head = EagleHead(head_config(target.arch), 64, torch.tensor([7, 3, 100]))
+    head.widen_draft_vocab(300)
+    assert head.draft_vocab[:3].tolist() == [7, 3, 100] and sorted(head.draft_vocab.tolist()) == list(range(300))
+    with pytest.raises(ValueError, match="past the target"):
+        EagleHead(head_config(target.arch), 64, torch.tensor([7, 300])).widen_draft_vocab(300)
+    head.attach(*target_weights(target, CPU, torch.float32))
+    with pytest.raises(RuntimeError, match="before attach"):
+        head.widen_draft_vocab(300)
+
+
+def test_draft_vocab_is_full_or_as_trained():
+    from specserve.config import SpecConfig
+
+    assert SpecConfig.parse({"method": "eagle", "draft_vocab": "full"}).draft_vocab == "full"
+    with pytest.raises(ValueError, match="full"):
+        SpecConfig.parse({"method": "eagle", "draft_vocab": 16384})
+    with pytest.raises(ValueError, match="EAGLE heads"):
+        SpecConfig.parse({"method": "ngram", "draft_vocab": "full"})
+
+
 # -- heads that do not fit --------------------------------------------------------------------------
 def test_head_for_another_target_is_refused(tiny_llama_dir, tiny_qwen2_dir, trained_head_dir):
     with pytest.raises(ValueError, match="vocabulary|hidden size"):
@@ -758,6 +780,16 @@ def test_the_default_model_gets_its_shipped_head(default_model_dir):
     # on an AVX512-BF16 CPU; v3: 1.38); on one 48-token answer the bound is loose: v5's mean over 32
     # held-out prompts at 128 tokens is 2.38-2.49 (docs/speculative.md)
     assert out.metrics.num_drafts > 0 and out.metrics.mean_acceptance_length > 1.25
+    # drafting over every target token (draft_vocab "full"): the trained ids first, then the rest; the
+    # output stays the target's
+    wide = LLM(str(default_model_dir), speculative_config={**spec, "draft_vocab": "full"}, **args)
+    head = wide.engine.proposer.head
+    trained = load_head(HEADS_DIR / "SmolLM2-135M-Instruct", dtype=torch.float32, device=CPU, max_positions=64)
+    assert head.draft_vocab_size == wide.engine.loaded.arch.vocab_size > trained.draft_vocab_size
+    assert torch.equal(head.draft_vocab[:trained.draft_vocab_size], trained.draft_vocab)
+    assert sorted(head.draft_vocab.tolist()) == list(range(head.draft_vocab_size))
+    out = wide.chat(messages, params)[0]
+    assert out.outputs[0].token_ids == plain and out.metrics.num_drafts > 0
 
 
 # -- the trainer's estimate is the engine's count ---------------------------------------------------
