@@ -46,9 +46,9 @@ def recorded_replays(graphs) -> list[int]:
     """The max query length of every step `graphs` replays from now on."""
     replayed, run_graph = [], graphs.run
 
-    def run(input_ids, positions, meta, key, **inputs):
+    def run(input_ids, positions, meta, key, *args, **inputs):
         replayed.append(meta.max_query_len)
-        return run_graph(input_ids, positions, meta, key, **inputs)
+        return run_graph(input_ids, positions, meta, key, *args, **inputs)
 
     graphs.run = run
     return replayed
