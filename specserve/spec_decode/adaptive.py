@@ -108,7 +108,7 @@ class AdaptiveK:
         self._carried_seconds = 0.0
         # of the proposer's work: the part that caught its drafter up over positions from before the
         # step it followed (`caught_up`: a spell's start), after this step and after the step before
-        self._catch_up_seconds = self._carried_catch_up = 0.0
+        self._catch_ups, self._carried_catch_up = [], ()  # `caught_up`: seconds, or readings of them
         # the last plan: the accepted tokens the model expects of its drafts (before the guard's
         # scaling), and its step's modelled cost over the plain step's
         self._predicted_accepted, self._cost_ratio = 0.0, 1.0
@@ -210,7 +210,7 @@ class AdaptiveK:
         self._overheads.clear()
         self._pending, self._t_verified, self._skipped = None, None, None
         self._propose_seconds = self._carried_seconds = 0.0
-        self._catch_up_seconds = self._carried_catch_up = 0.0
+        self._catch_ups, self._carried_catch_up = [], ()  # `caught_up`: seconds, or readings of them
         self._timing = self._skipping = False
         self._skip_run = 0
         self._probe_left = self._skips_since_plan = self._empty_plans = self._spell = 0
@@ -281,11 +281,12 @@ class AdaptiveK:
         ended now; start this one's clock."""
         self._start = time.perf_counter()
         if self._pending is not None:
-            *step, start, carried, catch_up = self._pending
+            *step, start, carried, catch_ups = self._pending
+            catch_up = sum(part() if callable(part) else part for part in catch_ups)
             self._judge(self._start - start - self._propose_seconds + carried, catch_up, *step)
             self._pending = None
         self._carried_seconds, self._propose_seconds = self._propose_seconds, 0.0
-        self._carried_catch_up, self._catch_up_seconds = self._catch_up_seconds, 0.0
+        self._carried_catch_up, self._catch_ups = tuple(self._catch_ups), []
         self._probe_left = max(0, self._probe_left - 1)
         self._skip_run = self._skip_run + 1 if self._skipping else 0
         self._skipping = False
@@ -360,15 +361,17 @@ class AdaptiveK:
             self._propose_seconds = time.perf_counter() - self._t_verified
             self._t_verified = None
 
-    def caught_up(self, seconds: float) -> None:
+    def caught_up(self, seconds: float | Callable[[], float]) -> None:
         """Of the proposer's work after this step, `seconds` caught its drafter up over positions from
         before the step (a spell's start: every position since the drafter last ran for its requests;
         a drafting step's own catch-up covers the step's new tokens alone). The step that verifies
         the drafts it made is judged without them (its overhead and the guard's trust are what a
         drafting step costs in a spell), its spell with them (what the start cost is the spell's loss):
         on an Intel Xeon with AMX, at 64 requests, a start's catch-up took ~3 plain steps, and judged
-        as the drafting step's own cost it ended every spell there after one drafting step."""
-        self._catch_up_seconds += seconds
+        as the drafting step's own cost it ended every spell there after one drafting step.
+        A catch-up still queued on the device (drafting on the device) reports a reading instead, a
+        function giving its seconds, called when that step is judged (its work is done by then)."""
+        self._catch_ups.append(seconds)
 
     def _judge(self, seconds: float, catch_up: float, num_base_tokens: int, num_draft_tokens: int,
                num_sampled: int, num_accepted: float, predicted: float, cost_ratio: float, plan_overhead: float,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -207,13 +208,12 @@ class EagleProposer:
             return {}
         chained = [slot for slot, _, _ in segments]
         ks = [slot.k for slot in chained]
-        t0 = time.perf_counter()
-        newest, meta, ks_d = self._catch_up(segments, ks)
         # rows from before this step's positions: a spell's start (the head had not run for them)
         behind_rows = sum(max(0, slot.sched.start - start) for slot, start, _ in segments)
-        if behind_rows:  # the host's clock: on a GPU the forward is still queued (its launch alone)
-            rows = sum(end - start for _, start, end in segments)
-            self.policy.caught_up((time.perf_counter() - t0) * behind_rows / rows)
+        clock = _ForwardClock(self.executor.device) if behind_rows else None
+        newest, meta, ks_d = self._catch_up(segments, ks)
+        if clock is not None:
+            self.policy.caught_up(clock.stop(behind_rows / sum(end - start for _, start, end in segments)))
         chain = self.chain_graphs
         if chain is not None and chain.can_run(len(ks), max(ks)) and \
                 all(slot.sched.request.sampling_params.greedy for slot in chained):
@@ -335,7 +335,12 @@ class EagleProposer:
         if ahead is not None:  # the host's positions, its sources and L, moved back on the device
             ahead.move_back(positions, meta, next(optional), which_d, sources=src_d)
             n = torch.stack([n, n - (ahead.back if which_d is None else ahead.back[which_d])])
+        # rows from before this step's positions: a spell's start; its time is read when the step is judged
+        behind_rows = sum(max(0, slot.sched.start - start) for slot, start in zip(chained, starts))
+        clock = _ForwardClock(ex.device) if behind_rows else None
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
+        if clock is not None:
+            self.policy.caught_up(clock.stop(behind_rows / num_rows))
         ends = ends_d.view(2, -1) + n  # per request: its newest row in g and its context length L
         newest, context_lens = g[ends[0]], ends[1]
         chain = self.chain_graphs
@@ -485,6 +490,32 @@ class EagleProposer:
                 full[vocab] = q[i]
                 probs[i].append(full)
         return vocab[picked]
+
+
+class _ForwardClock:
+    """The time of the device work launched between its creation and `stop`: CUDA events on a GPU (read
+    when asked, once that work is done: the step that waits for it is judged after it), the host's
+    clock elsewhere (the work ran as it was launched)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+
+    def stop(self, share: float) -> Callable[[], float]:
+        """A reading of `share` of the time so far, in seconds."""
+        if self._events is None:
+            seconds = (time.perf_counter() - self._t0) * share
+            return lambda: seconds
+        start, end = self._events
+        end.record()
+
+        def read() -> float:
+            end.synchronize()
+            return start.elapsed_time(end) * 1e-3 * share
+        return read
 
 
 def catch_up_rows(num_rows: int) -> int:

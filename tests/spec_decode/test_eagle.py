@@ -391,12 +391,15 @@ def _eagle_llm(tiny_llama_dir, trained_head_dir, **args) -> LLM:
                speculative_config=eagle_config(trained_head_dir, 3), **args)
 
 
-def test_steps_without_drafts_run_no_head_forward(tiny_llama_dir, trained_head_dir):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "on_device"])
+def test_steps_without_drafts_run_no_head_forward(tiny_llama_dir, trained_head_dir, on_device):
     """While adaptive k gives everyone k = 0 the head does not run at all (the step's hidden states
     are only stored at their KV slots); when drafting resumes it catches up in one forward over
-    everything the target computed meanwhile (reported to the policy as the spell's start), and its
-    drafts are accepted as usual."""
+    everything the target computed meanwhile (reported to the policy as the spell's start, also where
+    the catch-up is queued on the device: a reading of its time, taken when its step is judged), and
+    its drafts are accepted as usual."""
     llm = _eagle_llm(tiny_llama_dir, trained_head_dir)
+    llm.engine.proposer.drafts_on_device = on_device
     calls = _head_query_lens(llm)
     policy = llm.engine.proposer.policy
     plan, plans = policy.plan, []
@@ -415,7 +418,7 @@ def test_steps_without_drafts_run_no_head_forward(tiny_llama_dir, trained_head_d
     # the first head call: the prompt and the 9 tokens of the plain steps, plus the newest token
     assert calls[0] == [len(prompt) + 9] and plans[8] == len(prompt) + 9
     # that catch-up alone covered positions from before its step: the spell's start
-    assert len(starts) == 1 and starts[0] > 0
+    assert len(starts) == 1 and callable(starts[0]) and starts[0]() > 0
     assert plans[:3] == [len(prompt) + 1, len(prompt) + 2, len(prompt) + 3]
     # a catch-up position costs the head's layer and fc against a target token (layers and logits)
     head, arch = llm.engine.proposer.head, llm.engine.loaded.arch
