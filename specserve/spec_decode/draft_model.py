@@ -58,7 +58,7 @@ class DraftModelProposer:
         self.cache_identity = ("draft", *identity)
         self.num_lookahead_tokens = num_speculative_tokens
         # its chain's steps are one token per request; a catch-up is the bonus token + accepted drafts
-        self.draft_query_lens = (1, 1 + num_speculative_tokens)
+        self.draft_query_lens = tuple(range(1, 2 + num_speculative_tokens))
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = 0
         self.executor: ModelExecutor | None = None  # set by bind

@@ -80,9 +80,9 @@ class EagleProposer:
         self.policy = policy
         self.cache_identity = ("eagle", *identity)
         self.num_lookahead_tokens = num_speculative_tokens  # the chain's entries past the newest token
-        # a catch-up computes 1 + k rows per drafting request (its verified rows), one more after a
-        # step it did not draft in; the eager chain (random requests) one per request
-        self.draft_query_lens = (1, 2 + num_speculative_tokens)
+        # a catch-up computes 1 + k rows per drafting request (its verified rows, k <= the cap), one more
+        # after a step it did not draft in; the eager chain (random requests) one per request
+        self.draft_query_lens = tuple(range(1, 3 + num_speculative_tokens))
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = 0
         self.executor: ModelExecutor | None = None  # set by bind

@@ -550,9 +550,10 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
     fp32), and output is the torch backend's; also with a head that fuses target layers (the
     target's graphs return them), and with its weights in int8 (the Triton kernel in the graphs).
     The head's steady catch-ups (1 + k rows, one more after a step without drafts) replay its
-    executor's graphs, captured for up to 2 + k tokens per request. With async drafting (steps
-    launched ahead of their predecessor's tokens, moved back in the graphs' buffers) the same output,
-    and the same drafts up to each request's last steps."""
+    executor's graphs, captured for every 1..2 + k tokens per request, and the target's verifications
+    its own, for every 1..1 + k (a step verifying fewer drafts than the cap is not padded to it).
+    With async drafting (steps launched ahead of their predecessor's tokens, moved back in the
+    graphs' buffers) the same output, and the same drafts up to each request's last steps."""
     prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
     args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
                 max_num_batched_tokens=64,
@@ -571,7 +572,10 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
         if chain is not None:
             chain.run = lambda *a, _run=chain.run, _replays=replays: _replays.append(1) or _run(*a)
             head = llm.engine.proposer.executor
-            assert head.graphs.query_lens == (1, 2 + 3)
+            assert head.graphs.query_lens == (1, 2, 3, 4, 2 + 3)  # a catch-up after drafts of every k <= 3
+            # the target verifies every k <= 3 from its own graph (not padded to 1 + 3 tokens a request)
+            assert llm.engine.runner.graphs.query_lens == (1, 2, 3, 1 + 3)
+            assert llm.engine.runner.graphs.key(3, 2, 6)[2] == 2
             head.graphs.run = lambda *a, _run=head.graphs.run, _seen=graphed, **kw: _seen.append(1) or _run(*a, **kw)
             head.forward = lambda *a, _run=head.forward, _seen=catch_ups, **kw: _seen.append(1) or _run(*a, **kw)
         history = _drafting_history(llm.engine.proposer)
