@@ -17,6 +17,7 @@ import torch
 
 from specserve.cache.kv_cache_manager import KVCacheManager
 from specserve.config import EngineConfig
+from specserve.engine.cuda_graphs import query_lens_up_to
 from specserve.engine.executor import ModelExecutor
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.scheduler import Scheduler
@@ -141,7 +142,7 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
         # executor's short prefill steps (a prompt, an admission, a head's catch-up over them) up to a
         # chunk's tokens
         for executor in executors:
-            lens = tuple(range(1, 2 + k)) if executor is executors[0] else proposer.draft_query_lens
+            lens = query_lens_up_to(1 + k) if executor is executors[0] else proposer.draft_query_lens
             executor.capture_graphs(max_len, sc.max_num_seqs, lens, min(sc.max_num_batched_tokens, max_len))
         if proposer is not None:
             proposer.capture_graphs(max_len, sc.max_num_seqs)

@@ -38,6 +38,12 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 PREFILL_LENS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
+def query_lens_up_to(most: int) -> tuple[int, ...]:
+    """The query lengths to capture decode and verification graphs for: every one up to `most` tokens a
+    request, so that a step verifying fewer drafts than the cap replays a graph of its own length."""
+    return tuple(range(1, most + 1))
+
+
 def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
     """Seconds one replay of a captured graph takes (its device time: the best of `reps`, each waited for)."""
     best = float("inf")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.engine.cuda_graphs import query_lens_up_to
 from specserve.engine.outputs import SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import argmax_rows, draw, probs_for
@@ -58,7 +59,7 @@ class DraftModelProposer:
         self.cache_identity = ("draft", *identity)
         self.num_lookahead_tokens = num_speculative_tokens
         # its chain's steps are one token per request; a catch-up is the bonus token + accepted drafts
-        self.draft_query_lens = tuple(range(1, 2 + num_speculative_tokens))
+        self.draft_query_lens = query_lens_up_to(1 + num_speculative_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = 0
         self.executor: ModelExecutor | None = None  # set by bind

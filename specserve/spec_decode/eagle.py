@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specserve.engine.cuda_graphs import replay_seconds
+from specserve.engine.cuda_graphs import query_lens_up_to, replay_seconds
 from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from specserve.engine.step_inputs import PendingTokens, batch_metadata, chain_metadata
 from specserve.models.layers.attention import AttentionMetadata
@@ -82,7 +82,7 @@ class EagleProposer:
         self.num_lookahead_tokens = num_speculative_tokens  # the chain's entries past the newest token
         # a catch-up computes 1 + k rows per drafting request (its verified rows, k <= the cap), one more
         # after a step it did not draft in; the eager chain (random requests) one per request
-        self.draft_query_lens = tuple(range(1, 3 + num_speculative_tokens))
+        self.draft_query_lens = query_lens_up_to(2 + num_speculative_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = 0
         self.executor: ModelExecutor | None = None  # set by bind

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.cuda_graphs import PREFILL_LENS, StepGraphs
+from specserve.engine.cuda_graphs import PREFILL_LENS, StepGraphs, query_lens_up_to
 
 
 def graphs(max_prefill_tokens: int, query_lens=(1, 5), max_num_seqs: int = 8) -> StepGraphs:
@@ -21,6 +21,15 @@ def test_decode_and_verification_steps_pad_the_batch():
     assert g.key(8, 5, 40) == (8, 40, 5)
     assert g.key(9, 1, 9) is None  # more requests than any graph holds
     assert g.key(1, 6, 6) is None  # a prefill, and no prefill graphs
+
+
+def test_a_verification_of_fewer_drafts_than_the_cap_replays_a_graph_of_its_length():
+    """Speculating with a cap of 4 drafts, a step whose requests verify one draft each (adaptive k at many
+    requests) computes 2 tokens a request, not 5: on 8B shapes at 64 requests, padded to 1 + 4 tokens a
+    request, such a step cost ~2 plain steps on an H200 against ~1.4 from a graph of its own length."""
+    g = graphs(0, query_lens_up_to(1 + 4))
+    assert g.query_lens == (1, 2, 3, 4, 5)
+    assert g.key(3, 2, 6) == (4, 8, 2) and g.key(8, 3, 24) == (8, 24, 3) and g.key(8, 5, 40) == (8, 40, 5)
 
 
 def test_prefill_steps_pad_the_tokens_and_the_requests():

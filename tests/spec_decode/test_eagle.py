@@ -400,6 +400,7 @@ def test_steps_without_drafts_run_no_head_forward(tiny_llama_dir, trained_head_d
     its drafts are accepted as usual."""
     llm = _eagle_llm(tiny_llama_dir, trained_head_dir)
     llm.engine.proposer.drafts_on_device = on_device
+    assert llm.engine.proposer.draft_query_lens == (1, 2, 3, 4, 2 + 3)  # its catch-ups' graphs (on a GPU)
     calls = _head_query_lens(llm)
     policy = llm.engine.proposer.policy
     plan, plans = policy.plan, []
