@@ -42,6 +42,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from specserve.spec_decode.costs import StepCosts, measured_costs, profile_forward
 from specserve.spec_decode.guard import RealizedGain, batch_bucket
 
@@ -697,6 +699,33 @@ class AdaptiveK:
             if e is not None:
                 e.accepted *= self.decay
                 e.tried *= self.decay
+
+
+class CatchUpClock:
+    """A drafter's catch-up over positions from before the step, timed for `AdaptiveK.caught_up`: the
+    device work launched between its creation and `stop`, by CUDA events on a GPU (queued there, the
+    host's clock would see its launch alone; read when asked, once that work is done: the step that
+    waits for it is judged after it), by the host's clock elsewhere (the work ran as it was launched)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+
+    def stop(self, share: float) -> Callable[[], float]:
+        """A reading of `share` of the time so far, in seconds."""
+        if self._events is None:
+            seconds = (time.perf_counter() - self._t0) * share
+            return lambda: seconds
+        start, end = self._events
+        end.record()
+
+        def read() -> float:
+            end.synchronize()
+            return start.elapsed_time(end) * 1e-3 * share
+        return read
 
 
 @dataclass(slots=True)

@@ -27,7 +27,6 @@ request's temperature / top-k / top-p and generator; q is kept for the rejection
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +35,8 @@ from specserve.engine.cuda_graphs import query_lens_up_to
 from specserve.engine.outputs import SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import argmax_rows, draw, probs_for
-from specserve.spec_decode.adaptive import AdaptiveK, DraftSlot, nothing_to_draft, plan_step, skipped, step_verified
+from specserve.spec_decode.adaptive import (AdaptiveK, CatchUpClock, DraftSlot, nothing_to_draft, plan_step, skipped,
+                                             step_verified)
 from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
 
@@ -162,10 +162,10 @@ class DraftModelProposer:
                 ends.append(end)
         if not query_lens:
             return {}
-        t0 = time.perf_counter()
+        clock = CatchUpClock(executor.device) if behind_rows else None
         hidden = executor.forward_tokens(input_ids, query_lens, seq_lens, tables)
-        if behind_rows:  # the host's clock: on a GPU the forward is still queued (its launch alone)
-            self.policy.caught_up((time.perf_counter() - t0) * behind_rows / len(input_ids))
+        if clock is not None:
+            self.policy.caught_up(clock.stop(behind_rows / len(input_ids)))
         if not proposing:
             return {}
         logits = executor.compute_logits(hidden[torch.tensor(last_rows, device=device)])  # [P, V]

@@ -33,8 +33,6 @@ rejection sampler.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,7 +44,7 @@ from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, Schedu
 from specserve.engine.step_inputs import PendingTokens, batch_metadata, chain_metadata
 from specserve.models.layers.attention import AttentionMetadata
 from specserve.sample.sampler import argmax_rows, draw, probs_for
-from specserve.spec_decode.adaptive import (AdaptiveK, DraftSlot, draft_room, nothing_to_draft, plan_step,
+from specserve.spec_decode.adaptive import (AdaptiveK, CatchUpClock, DraftSlot, draft_room, nothing_to_draft, plan_step,
                                             planned_on_device, skipped, step_tokens, step_verified)
 from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.draft_model import _context
@@ -210,7 +208,7 @@ class EagleProposer:
         ks = [slot.k for slot in chained]
         # rows from before this step's positions: a spell's start (the head had not run for them)
         behind_rows = sum(max(0, slot.sched.start - start) for slot, start, _ in segments)
-        clock = _ForwardClock(self.executor.device) if behind_rows else None
+        clock = CatchUpClock(self.executor.device) if behind_rows else None
         newest, meta, ks_d = self._catch_up(segments, ks)
         if clock is not None:
             self.policy.caught_up(clock.stop(behind_rows / sum(end - start for _, start, end in segments)))
@@ -337,7 +335,7 @@ class EagleProposer:
             n = torch.stack([n, n - (ahead.back if which_d is None else ahead.back[which_d])])
         # rows from before this step's positions: a spell's start; its time is read when the step is judged
         behind_rows = sum(max(0, slot.sched.start - start) for slot, start in zip(chained, starts))
-        clock = _ForwardClock(ex.device) if behind_rows else None
+        clock = CatchUpClock(ex.device) if behind_rows else None
         g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
         if clock is not None:
             self.policy.caught_up(clock.stop(behind_rows / num_rows))
@@ -490,32 +488,6 @@ class EagleProposer:
                 full[vocab] = q[i]
                 probs[i].append(full)
         return vocab[picked]
-
-
-class _ForwardClock:
-    """The time of the device work launched between its creation and `stop`: CUDA events on a GPU (read
-    when asked, once that work is done: the step that waits for it is judged after it), the host's
-    clock elsewhere (the work ran as it was launched)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._events = None
-        if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        self._t0 = time.perf_counter()
-
-    def stop(self, share: float) -> Callable[[], float]:
-        """A reading of `share` of the time so far, in seconds."""
-        if self._events is None:
-            seconds = (time.perf_counter() - self._t0) * share
-            return lambda: seconds
-        start, end = self._events
-        end.record()
-
-        def read() -> float:
-            end.synchronize()
-            return start.elapsed_time(end) * 1e-3 * share
-        return read
 
 
 def catch_up_rows(num_rows: int) -> int:
