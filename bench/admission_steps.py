@@ -8,7 +8,8 @@ Under a server's load, requests end at different steps and new ones are admitted
 these mixed steps are frequent (with speculation, which staggers request ends, at every turnover of a
 batch). Each step is timed with the device synchronised after it (async scheduling off, so a step's
 time is its own); the median of `--repeats` admissions of each size (the admitted requests are aborted
-after their prefill, so the batch stays at D). `--kernels N` also prints the device kernels of an
+after their prefill, so the batch stays at D). `--speculative-config JSON` decodes with
+speculation (its drafting steps then are the "decode" row). `--kernels N` also prints the device kernels of an
 admission of N prompts (torch.profiler), by total time.
 """
 from __future__ import annotations
@@ -45,11 +46,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--kernels", type=int, default=0, help="print the device kernels of an admission of N prompts")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--speculative-config", default=None,
+                    help="JSON: decode with speculation (e.g. a dummy EAGLE head with simulated acceptance)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
               max_num_seqs=max(256, args.decoding + max(args.admit)), enable_prefix_caching=False,
               enforce_eager=args.enforce_eager, async_scheduling=False,
+              speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
               **({"gpu_memory_utilization": 0.85} if args.device == "cuda" else {}))
     engine = llm.engine
     sync = (lambda: torch.cuda.synchronize()) if args.device == "cuda" else (lambda: None)

@@ -32,10 +32,22 @@ from specserve.models.layers.attention import PAD_SLOT_ID, AttentionMetadata
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# token counts of prefill graphs: steps of 1.5x, so padding costs at most half the tokens (past 512
-# tokens a large model's forward is bound by its compute, and padding would cost more than launching
-# eagerly saves)
-PREFILL_LENS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# token counts of prefill graphs: steps of 1.5x (1.33x from 512), so padding costs at most half the tokens
+PREFILL_LENS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# the most tokens of a prefill graph, by the model it replays (`prefill_graph_tokens`). The target: 512.
+# Past that a large model's forward is bound by its device work, and padding costs more than launching
+# eagerly saves (H100, 8B shapes, 64 requests decoding: an admission of 4 prompts, 576 tokens, took
+# 17.4 ms eager against 20.0 ms from a graph of 768; bench/admission_steps.py). A drafter (an EAGLE head,
+# a draft model) is cheap on the device per token and dear on the host per launch: a head's eager
+# catch-up over an admission's prompts (past 512 rows) kept steps of 64 requests at 28-35 ms, against
+# 19-21 ms with graphs up to 1,024 rows (same card and shapes, `bench/spec_decode.py` policy traces)
+TARGET_PREFILL_TOKENS, DRAFTER_PREFILL_TOKENS = 512, 2048
+
+
+def prefill_graph_tokens(chunk_tokens: int, drafter: bool) -> int:
+    """The most tokens of a prefill graph for the target (`drafter` False) or a drafter, whose steps
+    compute at most `chunk_tokens` tokens (the scheduler's budget, bounded by the context length)."""
+    return min(chunk_tokens, DRAFTER_PREFILL_TOKENS if drafter else TARGET_PREFILL_TOKENS)
 
 
 def query_lens_up_to(most: int) -> tuple[int, ...]:

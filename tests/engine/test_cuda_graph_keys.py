@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.cuda_graphs import PREFILL_LENS, StepGraphs, query_lens_up_to
+from specserve.engine.cuda_graphs import PREFILL_LENS, StepGraphs, prefill_graph_tokens, query_lens_up_to
 
 
 def graphs(max_prefill_tokens: int, query_lens=(1, 5), max_num_seqs: int = 8) -> StepGraphs:
@@ -42,6 +42,18 @@ def test_prefill_steps_pad_the_tokens_and_the_requests():
     assert g.key(9, 128, 136) is None
     assert g.holds(2, 100, 101) and not g.holds(2, 100, 300)
     assert len(g.input_ids) == 256  # the buffers hold the largest graph's tokens
+
+
+def test_a_drafter_replays_longer_prefill_steps_than_the_target():
+    """An admission of prompts beside 64 decoding requests takes the EAGLE head a catch-up over their
+    rows: past 512 rows it ran eagerly and kept such steps at 28-35 ms on 8B shapes (H100), against
+    19-21 ms from graphs; the target's own steps past 512 tokens run faster eagerly than padded."""
+    assert prefill_graph_tokens(8192, drafter=False) == 512 and prefill_graph_tokens(8192, drafter=True) == 2048
+    assert prefill_graph_tokens(300, drafter=True) == 300  # never past a step's budget
+    head = graphs(prefill_graph_tokens(8192, drafter=True), max_num_seqs=64)
+    assert head.key(60, 128, 56 * 2 + 4 * 128) == (64, 768, 768) and head.key(60, 128, 2049) is None
+    target = graphs(prefill_graph_tokens(8192, drafter=False), max_num_seqs=64)
+    assert target.key(60, 128, 576) is None and target.key(59, 128, 498) == (64, 512, 512)
 
 
 def test_prefill_graphs_split_the_kv_range_at_most_as_their_tokens_do():
