@@ -131,8 +131,8 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int,
     delta = {k: after[k] - before[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                                                "spec_decode_num_accepted_tokens")}
     drafts, accepted = delta["spec_decode_num_drafts"], delta["spec_decode_num_accepted_tokens"]
-    per_pos = [a - b for a, b in zip(after["spec_decode_num_accepted_tokens_per_pos"],
-                                     before["spec_decode_num_accepted_tokens_per_pos"])]
+    per_pos, judged = ([a - b for a, b in zip(after[key], before[key])] for key in (
+        "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_judged_tokens_per_pos"))
     assert after["num_used_blocks"] == 0
     return {
         "requests": len(prompts), "output_tokens": num_out, "elapsed_s": round(elapsed, 3),
@@ -143,7 +143,8 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int,
         "num_accepted_tokens": accepted,
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
         "acceptance_rate": round(accepted / delta["spec_decode_num_draft_tokens"], 3) if drafts else None,
-        "accepted_per_pos": per_pos, "acceptance_per_position": conditional_rates(per_pos, drafts),
+        "accepted_per_pos": per_pos, "judged_per_pos": judged,
+        "acceptance_per_position": conditional_rates(per_pos, judged),
         "slowest_steps_ms": [round(1000 * t, 1) for t in sorted(step_s)[-3:]],  # a stall shows here
         # steps not left in flight (prefills, verifications, the policy's plans) and their share of the time
         "sync_steps": len(sync_s), "sync_steps_s": round(sum(sync_s), 3),
@@ -186,14 +187,13 @@ class StallProbe:
                 "device_allocs": alloc[0] - self.alloc[0], "alloc_retries": alloc[1] - self.alloc[1]}
 
 
-def conditional_rates(per_pos: list[int], drafts: int) -> list[float] | None:
-    """Per draft position j: the share of verifications that accepted draft j among those that
-    accepted every draft before it (what --eagle-acceptance replays). Exact where every draft had
-    k tokens; adaptive k's shorter drafts lower the later positions' rates."""
-    if not drafts:
+def conditional_rates(per_pos: list[int], judged: list[int]) -> list[float] | None:
+    """Per draft position j: the share of verifications that accepted draft j among those that had a
+    draft there and accepted every draft before it (what --eagle-acceptance replays; exact also under
+    adaptive k, whose shorter drafts the tail sums alone count as stops: `SpecDecodingStats`)."""
+    if not any(judged):
         return None
-    reached = [drafts, *per_pos[:-1]]
-    return [round(a / r, 4) if r else 0.0 for a, r in zip(per_pos, reached)]
+    return [round(a / n, 4) if n else 0.0 for a, n in zip(per_pos, judged)]
 
 
 def configs(args) -> list[tuple[str, dict | None]]:
@@ -254,8 +254,9 @@ def merge_runs(runs: list[dict]) -> dict:
     tpots = [r["mean_tpot_ms"] for r in runs if r["mean_tpot_ms"] is not None]
     out["mean_tpot_ms"] = round(sum(tpots) / len(tpots), 2) if tpots else None
     drafts = out["num_drafts"]
-    out["accepted_per_pos"] = [sum(col) for col in zip(*(r["accepted_per_pos"] for r in runs))]
-    out["acceptance_per_position"] = conditional_rates(out["accepted_per_pos"], drafts)
+    for key in ("accepted_per_pos", "judged_per_pos"):
+        out[key] = [sum(col) for col in zip(*(r[key] for r in runs))]
+    out["acceptance_per_position"] = conditional_rates(out["accepted_per_pos"], out["judged_per_pos"])
     out["mean_acceptance_length"] = round(1 + out["num_accepted_tokens"] / drafts, 3) if drafts else None
     out["acceptance_rate"] = round(out["num_accepted_tokens"] / out["num_draft_tokens"], 3) if drafts else None
     out["repeats"] = len(runs)

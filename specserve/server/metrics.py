@@ -60,13 +60,14 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(f"specserve:{name}", doc, labels=labels)
             c.add_metric([self._model], float(s.get(name, self._spec_fallback[i]) or 0))
             yield c
-        per_pos = s.get("spec_decode_num_accepted_tokens_per_pos") or []
-        c = CounterMetricFamily("specserve:spec_decode_num_accepted_tokens_per_pos",
-                                "Verifications that accepted the draft at this position.",
-                                labels=labels + ["position"])
-        for pos, value in enumerate(per_pos):
-            c.add_metric([self._model, str(pos)], float(value))
-        yield c
+        for name, doc in (("accepted", "Verifications that accepted the draft at this position."),
+                          ("judged", "Verifications that judged a draft at this position (accepted every one "
+                                     "before it).")):
+            c = CounterMetricFamily(f"specserve:spec_decode_num_{name}_tokens_per_pos", doc,
+                                    labels=labels + ["position"])
+            for pos, value in enumerate(s.get(f"spec_decode_num_{name}_tokens_per_pos") or []):
+                c.add_metric([self._model, str(pos)], float(value))
+            yield c
 
 
 class ServerMetrics:

@@ -3,6 +3,7 @@ and engine-wide counters; greedy output identical to the server without speculat
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.client import Client
 from tests.server.conftest import TINY_ENGINE
@@ -46,3 +47,11 @@ def test_speculation_is_reported_and_exact(spec_server, tiny_server):
     m = _metrics(spec_server)
     assert m["specserve:spec_decode_num_drafts_total"] >= spec.drafts
     assert m["specserve:spec_decode_num_accepted_tokens_total"] >= spec.accepted
+    per_pos = {(s.name, s.labels["position"]): s.value
+               for f in text_string_to_metric_families(spec_server.get("/metrics").text)
+               for s in f.samples if "position" in s.labels}
+    judged = "specserve:spec_decode_num_judged_tokens_per_pos_total"
+    assert per_pos[(judged, "0")] == m["specserve:spec_decode_num_drafts_total"]  # every first draft is judged
+    accepted = "specserve:spec_decode_num_accepted_tokens_per_pos_total"
+    # a second draft is judged only where the first was accepted, and no draft is accepted unjudged
+    assert 0 < per_pos[(judged, "1")] <= per_pos[(accepted, "0")] <= per_pos[(judged, "0")]
