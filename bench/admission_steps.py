@@ -14,7 +14,6 @@ admission of N prompts (torch.profiler), by total time.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -26,6 +25,9 @@ import torch
 
 from specserve import LLM, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import engine_parser  # noqa: E402
+
 
 def timed_step(engine, sync) -> float:
     t0 = time.perf_counter()
@@ -35,17 +37,11 @@ def timed_step(engine, sync) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="auto")
+    ap = engine_parser(__doc__)
     ap.add_argument("--decoding", type=int, default=64, help="requests decoding in every step")
     ap.add_argument("--admit", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="prompts admitted in one step")
-    ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--kernels", type=int, default=0, help="print the device kernels of an admission of N prompts")
-    ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--speculative-config", default=None,
                     help="JSON: decode with speculation (e.g. a dummy EAGLE head with simulated acceptance)")
     ap.add_argument("--out", default=None)

@@ -27,6 +27,9 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.engine import model_runner
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import engine_parser  # noqa: E402
+
 
 def timed(counter: collections.Counter, key: str, fn, sync: torch.device | None = None):
     def wrapper(*args, **kwargs):
@@ -81,15 +84,9 @@ def profile(llm: LLM, requests: int, prompt_len: int, new_tokens: int, sync: boo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="auto")
+    ap = engine_parser(__doc__)
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 256])
-    ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)

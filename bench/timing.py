@@ -1,6 +1,7 @@
-"""Timing helper shared by the benchmarks."""
+"""Helpers shared by the benchmarks: timing, and the arguments that say which engine to build."""
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -26,3 +27,16 @@ def median_seconds(fn: Callable[[], object], iters: int, device: torch.device,
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def engine_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser with the model and device arguments of a benchmark that builds one engine
+    (default: 8B shapes on a GPU)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--enforce-eager", action="store_true")
+    return ap
