@@ -39,10 +39,10 @@ PREFILL_LENS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536
 # eagerly saves (H100, 8B shapes, 64 requests decoding: an admission of 4 prompts, 576 tokens, took
 # 17.4 ms eager against 20.0 ms from a graph of 768, 6 prompts 26.1 ms against 25.2 ms from one of 1,024;
 # bench/admission_steps.py; a small target's eager forward is all host launches, where longer graphs would
-# likely pay: not measured). A drafter (an EAGLE head,
-# a draft model) is cheap on the device per token and dear on the host per launch: past 512 rows an
-# EAGLE head's eager catch-up over an admission's prompts kept an admission of 4 prompts beside 64
-# drafting requests at 34.3 ms, against 19.6-21.7 ms replayed (same card and shapes, the same bench)
+# likely pay: not measured). A drafter (an EAGLE head, a draft model) is cheap on the device per token
+# and dear on the host per launch: past 512 rows an EAGLE head's eager catch-up over an admission's
+# prompts kept an admission of 4 prompts beside 64 drafting requests at 34.3 ms, against 19.6-21.7 ms
+# replayed (same card and shapes, the same bench)
 TARGET_PREFILL_TOKENS, DRAFTER_PREFILL_TOKENS = 512, 2048
 
 

@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from specserve.engine.request import Request
     from specserve.spec_decode.proposer import ProposerBinding
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)  # DEBUG: one line per judged step and per plan (the policy's trace)
 
 
@@ -374,6 +375,16 @@ class AdaptiveK:
         A catch-up still queued on the device (drafting on the device) reports a reading instead, a
         function giving its seconds, called when that step is judged (its work is done by then)."""
         self._catch_ups.append(seconds)
+
+    def timed_catch_up(self, device: torch.device, behind_rows: int, rows: int, forward: Callable[[], T]) -> T:
+        """`forward()`, a drafter's forward over `rows` rows, `behind_rows` of them from before this step
+        (a spell's start): that share of its time goes to `caught_up`, timed by `CatchUpClock`."""
+        if not behind_rows:
+            return forward()
+        clock = CatchUpClock(device)
+        out = forward()
+        self.caught_up(clock.stop(behind_rows / rows))
+        return out
 
     def _judge(self, seconds: float, catch_up: float, num_base_tokens: int, num_draft_tokens: int,
                num_sampled: int, num_accepted: float, predicted: float, cost_ratio: float, plan_overhead: float,

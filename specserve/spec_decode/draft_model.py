@@ -35,7 +35,7 @@ from specserve.engine.cuda_graphs import query_lens_up_to
 from specserve.engine.outputs import SchedulerOutput
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import argmax_rows, draw, probs_for
-from specserve.spec_decode.adaptive import (AdaptiveK, CatchUpClock, DraftSlot, nothing_to_draft, plan_step, skipped,
+from specserve.spec_decode.adaptive import (AdaptiveK, DraftSlot, nothing_to_draft, plan_step, skipped,
                                              step_verified)
 from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.proposer import DraftStep, ProposerBinding
@@ -162,10 +162,8 @@ class DraftModelProposer:
                 ends.append(end)
         if not query_lens:
             return {}
-        clock = CatchUpClock(executor.device) if behind_rows else None
-        hidden = executor.forward_tokens(input_ids, query_lens, seq_lens, tables)
-        if clock is not None:
-            self.policy.caught_up(clock.stop(behind_rows / len(input_ids)))
+        hidden = self.policy.timed_catch_up(executor.device, behind_rows, len(input_ids),
+                                            lambda: executor.forward_tokens(input_ids, query_lens, seq_lens, tables))
         if not proposing:
             return {}
         logits = executor.compute_logits(hidden[torch.tensor(last_rows, device=device)])  # [P, V]

@@ -44,7 +44,7 @@ from specserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, Schedu
 from specserve.engine.step_inputs import PendingTokens, batch_metadata, chain_metadata
 from specserve.models.layers.attention import AttentionMetadata
 from specserve.sample.sampler import argmax_rows, draw, probs_for
-from specserve.spec_decode.adaptive import (AdaptiveK, CatchUpClock, DraftSlot, draft_room, nothing_to_draft, plan_step,
+from specserve.spec_decode.adaptive import (AdaptiveK, DraftSlot, draft_room, nothing_to_draft, plan_step,
                                             planned_on_device, skipped, step_tokens, step_verified)
 from specserve.spec_decode.draft_kv import DraftEntries
 from specserve.spec_decode.draft_model import _context
@@ -208,10 +208,9 @@ class EagleProposer:
         ks = [slot.k for slot in chained]
         # rows from before this step's positions: a spell's start (the head had not run for them)
         behind_rows = sum(max(0, slot.sched.start - start) for slot, start, _ in segments)
-        clock = CatchUpClock(self.executor.device) if behind_rows else None
-        newest, meta, ks_d = self._catch_up(segments, ks)
-        if clock is not None:
-            self.policy.caught_up(clock.stop(behind_rows / sum(end - start for _, start, end in segments)))
+        newest, meta, ks_d = self.policy.timed_catch_up(
+            self.executor.device, behind_rows, sum(end - start for _, start, end in segments),
+            lambda: self._catch_up(segments, ks))
         chain = self.chain_graphs
         if chain is not None and chain.can_run(len(ks), max(ks)) and \
                 all(slot.sched.request.sampling_params.greedy for slot in chained):
@@ -335,10 +334,9 @@ class EagleProposer:
             n = torch.stack([n, n - (ahead.back if which_d is None else ahead.back[which_d])])
         # rows from before this step's positions: a spell's start; its time is read when the step is judged
         behind_rows = sum(max(0, slot.sched.start - start) for slot, start in zip(chained, starts))
-        clock = CatchUpClock(ex.device) if behind_rows else None
-        g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
-        if clock is not None:
-            self.policy.caught_up(clock.stop(behind_rows / num_rows))
+        g = self.policy.timed_catch_up(
+            ex.device, behind_rows, num_rows,
+            lambda: ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype)))
         ends = ends_d.view(2, -1) + n  # per request: its newest row in g and its context length L
         newest, context_lens = g[ends[0]], ends[1]
         chain = self.chain_graphs
