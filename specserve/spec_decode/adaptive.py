@@ -164,7 +164,10 @@ class AdaptiveK:
         # loss (16, 32, .. 8 << max_backoff), `lost` is how many plain steps' time the last spell cost
         # beyond the plain time of its tokens. So retries of drafts that lose cost about 1 / (8 <<
         # backoff) of the steps however dear a start is (a head's catch-up at 64 requests on 8B shapes:
-        # ~5 plain steps; at one request about one). A spell that ends on a gain lifts the bar.
+        # ~5 plain steps; at one request about one). A spell that ends on a gain lifts the bar; one that
+        # saved time over its whole length (`lost` < 0) ended on a gain of that saving a plan, whatever its
+        # last steps did: on real weights at one request spells that saved 60-220 plain steps ended at
+        # -0.00 to -0.07 (a stretch of text the head drafts badly) and backed off up to 512 steps each.
         # A spell that ends within `clear_gain` above break-even undoes one step of its bucket's backoff,
         # not all of it (on 8B shapes at 64 requests a spell that gained +0.01 reset a backoff of 6
         # spells that had lost, and the next started within 16 steps). A spell whose batch moves into a barred
@@ -438,16 +441,20 @@ class AdaptiveK:
         self._spell_lost += plain_steps * (1.0 - speedup)
 
     def _end_spell(self, num_sampled: int) -> None:
-        """A spell ended: each batch-size bucket it drafted at is judged by its recent drafting steps:
-        a loss backs off its next spells, a clear gain (`clear_gain`) lifts its bar, a small one undoes
-        one loss's backoff. Its length counts towards its bucket's horizon only where a plan at that
+        """A spell ended: each batch-size bucket it drafted at is judged by its recent drafting steps, or
+        all of them by the plain steps' time a plan the spell saved where it saved any: a loss backs off
+        its next spells, a clear gain (`clear_gain`) lifts its bar, a small one undoes one loss's backoff. Its length counts towards its bucket's horizon only where a plan at that
         batch size ended it (a spell cut short by its batch moving to another size is no measure)."""
         self._ended_buckets = self._spell_buckets
         if batch_bucket(num_sampled) == self._spell_bucket:  # its plans stopped paying, not its batch moving
             bucket = self._spell_bucket
             self._spell_steps[bucket] = (0.5 * self._horizon(bucket) + 0.5 * self._spell, self.guard.num_steps)
+        # a spell that saved time over all its steps, its start's included, ended because its drafts
+        # stopped paying now (its last steps are near the bar by construction: a spell goes on within
+        # `stay_margin`): judged by that net saving a plan, not by its last steps
+        saved = -self._spell_lost / max(self._spell, 1) if self._spell_lost < 0 else None
         for bucket in self._spell_buckets:
-            realized = self._realized.get(bucket)
+            realized = self._realized.get(bucket) if saved is None else saved
             if realized is None:
                 continue
             if realized < 0:
