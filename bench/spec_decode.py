@@ -517,7 +517,32 @@ def markdown(results: dict, names: list[str]) -> str:
                   " ".join(f"{x:.2f}" for x in row.get("control_runs", []))]
         cells += [str(row[n]["mean_tpot_ms"]) for n in names]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Per run, in order (what may explain a slow one): tok/s; steps not left in flight (async scheduling) "
+              "and their mean ms; the three slowest steps, ms; garbage collection ms; the CUDA allocator's device "
+              "allocations / retries; kernels Triton compiled.", ""]
+    for row in results["levels"]:
+        for n in names:
+            lines.append(f"- {row['dataset']}, {row['concurrency']}, {n}: " + "; ".join(
+                run_diagnostics(run) for run in runs_of(row[n])))
     return "\n".join(lines) + "\n"
+
+
+def runs_of(merged: dict) -> list[dict]:
+    """A level's runs of one setup, each a dict of its own numbers (`merge_runs` keeps them as lists)."""
+    per_run = merged.get("tokens_per_s_runs")
+    if per_run is None:
+        return [merged]
+    keys = ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries", "sync_steps",
+            "sync_steps_s")
+    return [{"tokens_per_s": tps, **{k: merged[k][i] for k in keys}} for i, tps in enumerate(per_run)]
+
+
+def run_diagnostics(run: dict) -> str:
+    sync = run["sync_steps"]
+    mean_sync = f"{1000 * run['sync_steps_s'] / sync:.2f}" if sync else "-"
+    return (f"{run['tokens_per_s']:.0f} tok/s, {sync} sync {mean_sync} ms, slowest "
+            f"{'/'.join(f'{t:g}' for t in run['slowest_steps_ms'])}, gc {run['gc_ms']:g}, allocs "
+            f"{run['device_allocs']}/{run['alloc_retries']}, compiled {run['kernels_compiled']}")
 
 
 if __name__ == "__main__":

@@ -443,8 +443,9 @@ class AdaptiveK:
     def _end_spell(self, num_sampled: int) -> None:
         """A spell ended: each batch-size bucket it drafted at is judged by its recent drafting steps, or
         all of them by the plain steps' time a plan the spell saved where it saved any: a loss backs off
-        its next spells, a clear gain (`clear_gain`) lifts its bar, a small one undoes one loss's backoff. Its length counts towards its bucket's horizon only where a plan at that
-        batch size ended it (a spell cut short by its batch moving to another size is no measure)."""
+        its next spells, a clear gain (`clear_gain`) lifts its bar, a small one undoes one loss's backoff.
+        Its length counts towards its bucket's horizon only where a plan at that batch size ended it (a
+        spell cut short by its batch moving to another size is no measure)."""
         self._ended_buckets = self._spell_buckets
         if batch_bucket(num_sampled) == self._spell_bucket:  # its plans stopped paying, not its batch moving
             bucket = self._spell_bucket

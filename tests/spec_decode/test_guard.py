@@ -587,8 +587,9 @@ def test_a_spell_that_saved_time_does_not_back_off(clock):
     1.45 ms against plain steps of 1.0 ms left in flight, the head's drafts accepted as on ShareGPT,
     and stretches of text it drafts badly. Spells that saved 60-220 plain steps' time ended in such a
     stretch with their last steps' realized gain at -0.00 to -0.07, each counted as a loss: the backoff
-    climbed to 6 and bars of up to 512 steps kept a quarter of the run from drafting (1.20x; 1.19x in this replay, 1.28x now). A spell is
-    now judged by what it saved over all its steps where it saved any."""
+    climbed to 6 and bars of up to 512 steps kept a quarter of the run from drafting (1.20x; 1.19x in
+    this replay, 1.28x now). A spell is now judged by what it saved over all its steps where it saved
+    any."""
     good, bad = [0.5169, 0.6042, 0.7189, 0.6183], [0.1] * 4
     steps = dict(num_steps=3000, plain_deferred=1.0e-3, plain_sync=1.4e-3, drafting=1.45e-3, request_len=128,
                  alpha=lambda step: bad if step % 250 >= 190 else good)
