@@ -165,7 +165,7 @@ class AdaptiveK:
         # beyond the plain time of its tokens. So retries of drafts that lose cost about 1 / (8 <<
         # backoff) of the steps however dear a start is (a head's catch-up at 64 requests on 8B shapes:
         # ~5 plain steps; at one request about one). A spell that ends on a gain lifts the bar; one that
-        # saved time over its whole length (`lost` < 0) ended on a gain of that saving a plan, whatever its
+        # saved time over its whole length (`lost` < 0) ended on its gain over all its steps, whatever its
         # last steps did: on real weights at one request spells that saved 60-220 plain steps ended at
         # -0.00 to -0.07 (a stretch of text the head drafts badly) and backed off up to 512 steps each.
         # A spell that ends within `clear_gain` above break-even undoes one step of its bucket's backoff,
@@ -200,6 +200,7 @@ class AdaptiveK:
         self._spell_buckets: frozenset[int] = frozenset()  # the buckets its plans drafted at
         self._ended_buckets: frozenset[int] = frozenset()  # those of the last spell that ended
         self._spell_lost = 0.0  # plain steps' time the last spell's judged steps lost (net of gains)
+        self._spell_time = 0.0  # ... and the plain steps' time they took
         self._realized: dict[int, float] = {}  # batch bucket -> recent realized speedup - 1 (EMA)
         self._backoff: dict[int, int] = {}  # batch bucket -> spells in a row that ended on a loss
         self._barred: dict[int, int] = {}  # batch bucket -> the step its last spell ended on a loss at
@@ -221,7 +222,7 @@ class AdaptiveK:
         self._skip_run = 0
         self._probe_left = self._skips_since_plan = self._empty_plans = self._spell = 0
         self._plan_steps = -1
-        self._spell_lost = 0.0
+        self._spell_lost = self._spell_time = 0.0
         self._spell_buckets = self._ended_buckets = frozenset()
         self._realized.clear()
         self._backoff.clear()
@@ -439,10 +440,11 @@ class AdaptiveK:
         bucket = batch_bucket(num_sampled)
         self._realized[bucket] = 0.7 * self._realized.get(bucket, 0.0) + 0.3 * (speedup - 1.0)
         self._spell_lost += plain_steps * (1.0 - speedup)
+        self._spell_time += plain_steps
 
     def _end_spell(self, num_sampled: int) -> None:
         """A spell ended: each batch-size bucket it drafted at is judged by its recent drafting steps, or
-        all of them by the plain steps' time a plan the spell saved where it saved any: a loss backs off
+        all of them by the spell's realized gain over all its steps where it saved time: a loss backs off
         its next spells, a clear gain (`clear_gain`) lifts its bar, a small one undoes one loss's backoff.
         Its length counts towards its bucket's horizon only where a plan at that batch size ended it (a
         spell cut short by its batch moving to another size is no measure)."""
@@ -452,8 +454,9 @@ class AdaptiveK:
             self._spell_steps[bucket] = (0.5 * self._horizon(bucket) + 0.5 * self._spell, self.guard.num_steps)
         # a spell that saved time over all its steps, its start's included, ended because its drafts
         # stopped paying now (its last steps are near the bar by construction: a spell goes on within
-        # `stay_margin`): judged by that net saving a plan, not by its last steps
-        saved = -self._spell_lost / max(self._spell, 1) if self._spell_lost < 0 else None
+        # `stay_margin`): judged by its realized gain over all its steps (their speedup - 1, weighted by
+        # their time), not by its last steps'
+        saved = -self._spell_lost / self._spell_time if self._spell_lost < 0 else None
         for bucket in self._spell_buckets:
             realized = self._realized.get(bucket) if saved is None else saved
             if realized is None:
@@ -655,7 +658,7 @@ class AdaptiveK:
         if self._plan_steps:
             self._drafted_at = self.guard.num_steps
             if not self._spell:
-                self._spell_lost = 0.0
+                self._spell_lost = self._spell_time = 0.0
             self._spell += 1
             self._spell_bucket = batch_bucket(len(ks))
             self._spell_buckets |= {self._spell_bucket}
