@@ -261,6 +261,8 @@ def merge_runs(runs: list[dict]) -> dict:
     out["acceptance_rate"] = round(out["num_accepted_tokens"] / out["num_draft_tokens"], 3) if drafts else None
     out["repeats"] = len(runs)
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    out["steps_runs"] = [r["steps"] for r in runs]
+    out["num_drafts_runs"] = [r["num_drafts"] for r in runs]
     for key in ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries", "sync_steps",
                 "sync_steps_s", "ahead_steps"):
         out[key] = [r[key] for r in runs]
@@ -517,7 +519,8 @@ def markdown(results: dict, names: list[str]) -> str:
                   " ".join(f"{x:.2f}" for x in row.get("control_runs", []))]
         cells += [str(row[n]["mean_tpot_ms"]) for n in names]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Per run, in order (what may explain a slow one): tok/s; steps not left in flight (async scheduling) "
+    lines += ["", "Per run, in order (what may explain a slow one): tok/s; the request-steps that verified drafts, and "
+              "the steps; steps not left in flight (async scheduling) "
               "and their mean ms; the three slowest steps, ms; garbage collection ms; the CUDA allocator's device "
               "allocations / retries; kernels Triton compiled.", ""]
     for row in results["levels"]:
@@ -534,13 +537,15 @@ def runs_of(merged: dict) -> list[dict]:
         return [merged]
     keys = ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries", "sync_steps",
             "sync_steps_s")
-    return [{"tokens_per_s": tps, **{k: merged[k][i] for k in keys}} for i, tps in enumerate(per_run)]
+    return [{"tokens_per_s": tps, "steps": merged["steps_runs"][i], "num_drafts": merged["num_drafts_runs"][i],
+             **{k: merged[k][i] for k in keys}} for i, tps in enumerate(per_run)]
 
 
 def run_diagnostics(run: dict) -> str:
     sync = run["sync_steps"]
     mean_sync = f"{1000 * run['sync_steps_s'] / sync:.2f}" if sync else "-"
-    return (f"{run['tokens_per_s']:.0f} tok/s, {sync} sync {mean_sync} ms, slowest "
+    return (f"{run['tokens_per_s']:.0f} tok/s, {run['num_drafts']} drafting request-steps of {run['steps']} steps, "
+            f"{sync} sync {mean_sync} ms, slowest "
             f"{'/'.join(f'{t:g}' for t in run['slowest_steps_ms'])}, gc {run['gc_ms']:g}, allocs "
             f"{run['device_allocs']}/{run['alloc_retries']}, compiled {run['kernels_compiled']}")
 
