@@ -241,6 +241,11 @@ def configs(args) -> list[tuple[str, dict | None]]:
     return out
 
 
+# a run's numbers that merged runs keep as a list, one per run (not summed)
+PER_RUN_KEYS = ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries", "sync_steps",
+                "sync_steps_s", "ahead_steps")
+
+
 def merge_runs(runs: list[dict]) -> dict:
     """Totals over repeated runs of one level (tokens/s = all tokens / all time)."""
     if len(runs) == 1:
@@ -263,8 +268,7 @@ def merge_runs(runs: list[dict]) -> dict:
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
     out["steps_runs"] = [r["steps"] for r in runs]
     out["num_drafts_runs"] = [r["num_drafts"] for r in runs]
-    for key in ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries", "sync_steps",
-                "sync_steps_s", "ahead_steps"):
+    for key in PER_RUN_KEYS:
         out[key] = [r[key] for r in runs]
     return out
 
@@ -535,10 +539,8 @@ def runs_of(merged: dict) -> list[dict]:
     per_run = merged.get("tokens_per_s_runs")
     if per_run is None:
         return [merged]
-    keys = ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries", "sync_steps",
-            "sync_steps_s")
     return [{"tokens_per_s": tps, "steps": merged["steps_runs"][i], "num_drafts": merged["num_drafts_runs"][i],
-             **{k: merged[k][i] for k in keys}} for i, tps in enumerate(per_run)]
+             **{k: merged[k][i] for k in PER_RUN_KEYS}} for i, tps in enumerate(per_run)]
 
 
 def run_diagnostics(run: dict) -> str:
