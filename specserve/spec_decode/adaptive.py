@@ -145,6 +145,19 @@ class AdaptiveK:
         # (a compile, a burst of other work) does not stop drafting for good.
         self._overheads: dict[int, tuple[float, int]] = {}  # bucket -> (overhead, the guard's step then)
         self.overhead_decay = 0.995
+        # How much of the modelled draft steps' cost a drafting step's time shows (`draft_share`, per
+        # batch-size bucket, in [0, 1]): the slope of its time beyond the target's modelled verification
+        # against its draft steps' modelled cost, fitted over recent drafting steps (sums decayed by
+        # `fit_decay` a drafting step, at least `fit_min_steps` of them) whose number of draft steps K
+        # varied (a standard deviation of at least `fit_min_spread` draft steps), and kept while K does
+        # not vary; the overhead is learned beyond the share. The model prices a draft step at
+        # its device time, but where the host sets a step's pace the device runs the chain while the host
+        # works: on an H100, the default model at one request, drafting steps of K = 2, 3 and 4 took the
+        # same 1.43-1.47 ms (a draft step priced at 0.067 plain steps), and adaptive k, planning K = 3
+        # in 35-45% of its steps, accepted 2.09-2.17 tokens a step against 2.25 for k = 4 forced.
+        self._draft_fit: dict[int, list[float]] = {}  # bucket -> decayed [n, x, x^2, y, x*y]
+        self._draft_share: dict[int, float] = {}  # bucket -> its last fitted share
+        self.fit_decay, self.fit_min_spread, self.fit_min_steps = 0.98, 0.3, 16.0
         self._plan_steps = -1  # draft steps of the last plan (its K; -1: none made yet)
         # after a plan without drafts, steps without drafts run deferred (`idle`) without planning
         # (a synchronous step costs more than one left in flight), until the next plan: after 8
@@ -215,6 +228,8 @@ class AdaptiveK:
         self._est.clear()
         self._pool = _Estimate()
         self._overheads.clear()
+        self._draft_fit.clear()
+        self._draft_share.clear()
         self._pending, self._t_verified, self._skipped = None, None, None
         self._propose_seconds = self._carried_seconds = 0.0
         self._catch_ups, self._carried_catch_up = [], ()  # `caught_up`: seconds, or readings of them
@@ -427,12 +442,12 @@ class AdaptiveK:
         if speedup is not None and unit is not None:  # the spell pays its start's catch-up
             self._fared(num_sampled, speedup * judged / seconds, seconds / (unit * base_cost))
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("step %d: base %d drafts %d steps %d took %.3f ms = %s plain%s; overhead %.2f trust %.2f"
-                         " speedup %s", self.guard.num_steps, num_base_tokens, num_draft_tokens, num_draft_steps,
-                         seconds * 1e3, f"{seconds / unit:.2f}" if unit else "?",
+            logger.debug("step %d: base %d drafts %d steps %d took %.3f ms = %s plain%s; overhead %.2f share %.2f"
+                         " trust %.2f speedup %s", self.guard.num_steps, num_base_tokens, num_draft_tokens,
+                         num_draft_steps, seconds * 1e3, f"{seconds / unit:.2f}" if unit else "?",
                          f" ({catch_up * 1e3:.3f} ms a start's catch-up)" if judged < seconds else "",
-                         self.step_overhead(num_sampled), self.guard.trust(num_base_tokens),
-                         f"{speedup:.2f}" if speedup else "?")
+                         self.step_overhead(num_sampled), self.draft_share(num_sampled),
+                         self.guard.trust(num_base_tokens), f"{speedup:.2f}" if speedup else "?")
 
     def _fared(self, num_sampled: int, speedup: float, plain_steps: float) -> None:
         """A step of a spell (or one that started it), `plain_steps` plain steps' time long, ran at
@@ -482,15 +497,40 @@ class AdaptiveK:
 
     def _learn_overhead(self, num_base_tokens: int, num_draft_tokens: int, num_draft_steps: int,
                         num_sampled: int, seconds: float) -> None:
-        """A drafting step took `seconds`: what the model misses of it goes into `step_overhead`."""
+        """A drafting step took `seconds`: how much of its draft steps' modelled cost it showed
+        (`draft_share`), and what the model misses of it, into `step_overhead`."""
         unit = self.guard.plain_unit(num_base_tokens)
         if unit is None:
             return
-        modelled = (self.costs(num_base_tokens + num_draft_tokens)
-                    + num_draft_steps * self._draft_cost(num_base_tokens, num_sampled))
-        sample = min(max(seconds / unit - modelled, 0.0), 3.0 * self.costs(num_base_tokens))
+        cap = 3.0 * self.costs(num_base_tokens)
+        beyond = min(max(seconds / unit - self.costs(num_base_tokens + num_draft_tokens), 0.0), cap)
+        price = self._draft_price(num_base_tokens, num_sampled)
+        self._fit_draft_share(num_sampled, num_draft_steps, price, beyond)
+        sample = min(max(beyond - num_draft_steps * price * self.draft_share(num_sampled), 0.0), cap)
         self._overheads[batch_bucket(num_sampled)] = (0.8 * self.step_overhead(num_sampled) + 0.2 * sample,
                                                       self.guard.num_steps)
+
+    def _fit_draft_share(self, num_sampled: int, num_draft_steps: int, price: float, beyond: float) -> None:
+        """A drafting step of `num_draft_steps` draft steps, each priced at `price`, took `beyond` plain
+        steps beyond its modelled verification: refit `draft_share` at its batch-size bucket."""
+        if price <= 0:
+            return
+        bucket = batch_bucket(num_sampled)
+        sums = self._draft_fit.setdefault(bucket, [0.0] * 5)
+        x = num_draft_steps * price
+        for i, value in enumerate((1.0, x, x * x, beyond, x * beyond)):
+            sums[i] = self.fit_decay * sums[i] + value
+        n, sx, sxx, sy, sxy = sums
+        spread = sxx / n - (sx / n) ** 2  # the variance of the drafting steps' priced draft cost
+        if n < self.fit_min_steps or spread <= (self.fit_min_spread * price) ** 2:
+            return  # K has not varied enough lately: the last fit holds
+        slope = (sxy / n - sx / n * sy / n) / spread
+        self._draft_share[bucket] = min(max(slope, 0.0), 1.0)
+
+    def draft_share(self, num_sampled: int) -> float:
+        """The share of its draft steps' modelled cost that a drafting step of a batch of `num_sampled`
+        sampling requests was measured to take (1 until K has varied enough to tell)."""
+        return self._draft_share.get(batch_bucket(num_sampled), 1.0)
 
     def step_overhead(self, num_sampled: int) -> float:
         """What a drafting step of a batch of `num_sampled` sampling requests costs beyond the model
@@ -539,15 +579,21 @@ class AdaptiveK:
         """What `num_spec` drafts of `num_drafting` requests (and `num_draft_steps` draft-model steps)
         add to a step over `num_base_tokens` tokens of `num_sampled` sampling requests."""
         target = self.costs(num_base_tokens + num_spec) - self.costs(num_base_tokens)
-        return (target + num_draft_steps * self._draft_cost(num_base_tokens, num_drafting)
+        return (target + num_draft_steps * self._draft_cost(num_base_tokens, num_drafting, num_sampled)
                 + self.step_overhead(num_sampled))
 
-    def _draft_cost(self, num_base_tokens: int, num_drafting: int = 1) -> float:
-        """What one draft step of `num_drafting` requests adds to a step over `num_base_tokens` tokens,
-        in plain-step units: its device seconds against the guard's recent plain-step time where both
-        are known, at most `draft_cost` (the device-time ratio: where the host sets the pace, a plain
-        step takes longer than its device time, and a draft step queued behind the verification adds
-        little more than its own device time); both scaled to the drafting batch (`draft_scale`)."""
+    def _draft_cost(self, num_base_tokens: int, num_drafting: int, num_sampled: int) -> float:
+        """What one draft step of `num_drafting` requests adds to a step over `num_base_tokens` tokens
+        of `num_sampled` sampling requests, in plain-step units: its price (`_draft_price`) times the
+        share of it such steps were measured to take (`draft_share`)."""
+        return self._draft_price(num_base_tokens, num_drafting) * self.draft_share(num_sampled)
+
+    def _draft_price(self, num_base_tokens: int, num_drafting: int = 1) -> float:
+        """A draft step of `num_drafting` requests as the model prices it, in plain-step units: its
+        device seconds against the guard's recent plain-step time where both are known, at most
+        `draft_cost` (the device-time ratio: where the host sets the pace, a plain step takes longer
+        than its device time, and a draft step queued behind the verification adds little more than
+        its own device time); both scaled to the drafting batch (`draft_scale`)."""
         unit = self.guard.plain_unit(num_base_tokens) if self.draft_seconds is not None else None
         cost = min(self.draft_cost, self.draft_seconds / unit) if unit else self.draft_cost
         return cost * self._batch_scale(num_drafting)
@@ -611,7 +657,7 @@ class AdaptiveK:
         margin = self._margin(len(rooms))
         plain = (float(len(rooms)), base_cost, ks, 0.0)  # (tokens, cost, ks, gain the model predicts)
         best = None
-        draft_cost = self._draft_cost(num_base_tokens, len(rooms))
+        draft_cost = self._draft_cost(num_base_tokens, len(rooms), len(rooms))
         for max_steps in (range(1, self.max_k + 1) if draft_cost else (self.max_k,)):
             plan = self._plan_with(order, alphas, rooms, extra, max_spec_tokens, max_steps, trust, base_cost,
                                    margin, draft_cost)

@@ -3,6 +3,7 @@ plain ones, and drafts that do not pay in practice are backed off, then retried.
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Callable
 
 import pytest
@@ -194,20 +195,23 @@ def test_the_time_spent_drafting_counts_against_the_drafts(clock):
 
 
 def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_sync: float, plain_deferred: float,
-                    drafting: float, alpha: float | list[float] | Callable[[int], list[float]], num_reqs: int = 1,
-                    request_len: int | None = None, catch_up: float = 0.0, catch_up_rows: int = 0) -> float:
+                    drafting: float | Callable[[int], float],
+                    alpha: float | list[float] | Callable[[int], list[float]], num_reqs: int = 1,
+                    request_len: int | None = None, catch_up: float = 0.0, catch_up_rows: int = 0,
+                    seed: int = 0) -> float:
     """As the engine runs steps under async scheduling: a step without drafts whose proposer is idle
     (`nothing_to_draft`) is left in flight and costs `plain_deferred` (overlapped with the host's work
-    on the next step); one run synchronously costs `plain_sync`; a step verifying drafts `drafting`,
-    and `catch_up` more if the step before it verified none (a head's catch-up over every position
-    since it last ran, queued by the step that started the spell, waited for by this one).
+    on the next step); one run synchronously costs `plain_sync`; a step verifying drafts `drafting`
+    (or `drafting(K)` for a plan of K draft steps), and `catch_up` more if the step before it verified
+    none (a head's catch-up over every position since it last ran, queued by the step that started the
+    spell, waited for by this one).
     With `catch_up_rows` the policy is told a start catches up that many positions (`plan`'s and
     `worth_trying`'s `catch_up`). Drafts are accepted as `verify` says (`alpha(step)` where it is a
     function of the step: text the drafter reads well or badly in turns). With `request_len`, a request
     finishes after that many tokens and a new one takes its place, each under its own estimate key (as
     a draft model's or a head's); otherwise the requests share one key (an n-gram match length) and never finish.
-    Returns the throughput relative to no speculation (every step deferred)."""
-    rng = random.Random(0)
+    `seed` seeds the acceptance draws. Returns the throughput relative to no speculation (every step deferred)."""
+    rng = random.Random(seed)
     rooms = {f"r{i}": 8 for i in range(num_reqs)}
     keys = {r: r if request_len else 3 for r in rooms}
     left = dict.fromkeys(rooms, request_len)
@@ -225,7 +229,9 @@ def run_async_steps(policy: AdaptiveK, clock: FakeClock, num_steps: int, plain_s
             clock.now += plain_deferred
             policy.step_skipped(num_reqs)
         else:
-            clock.now += (drafting + (0.0 if drafted_before else catch_up)) if num_drafts else plain_sync
+            draft_steps = max(ks.values(), default=0)
+            took = drafting(draft_steps) if callable(drafting) else drafting
+            clock.now += (took + (0.0 if drafted_before else catch_up)) if num_drafts else plain_sync
             accepted = verify(policy, ks, keys, alpha(step) if callable(alpha) else alpha, rng)
             policy.step_finished(num_reqs, num_drafts, num_reqs, sum(accepted.values()))
         tokens += num_reqs + sum(accepted.values())
@@ -349,15 +355,25 @@ def head_policy(draft_cost: float) -> AdaptiveK:
     return p
 
 
+def median_over_seeds(make_policy: Callable[[], AdaptiveK], clock: FakeClock, seeds=range(5), **steps) -> float:
+    """`run_async_steps` of a fresh policy per seed of the acceptance draws: the median throughput
+    (where drafts pay little, a run settles drafting or not by its first spells' luck)."""
+    return statistics.median(run_async_steps(make_policy(), clock, seed=seed, **steps) for seed in seeds)
+
+
 def test_drafting_near_the_bar_goes_on_instead_of_flipping(clock):
     """Where drafts pay a little (the host-bound case above), estimates near the bar flipped drafting
     on and off, and each start cost a synchronous step: 1.04x, where k = 4 forced gives 1.14x. A spell
-    now goes on while its drafts beat the plain step within `stay_margin`, at the same batch size."""
+    now goes on while its drafts beat the plain step within `stay_margin`, at the same batch size
+    (medians over five seeds: 1.01x flipping, 1.10x now)."""
     assert run_async_steps(AdaptiveK(4, adaptive=False), clock, **HOST_BOUND) > 1.12
-    flipping = head_policy(0.03)
-    flipping.stay_margin = flipping.margin
-    assert run_async_steps(flipping, clock, **HOST_BOUND) < 1.05
-    assert run_async_steps(head_policy(0.03), clock, **HOST_BOUND) > 1.06
+
+    def flipping() -> AdaptiveK:
+        p = head_policy(0.03)
+        p.stay_margin = p.margin
+        return p
+    assert median_over_seeds(flipping, clock, **HOST_BOUND) < 1.05
+    assert median_over_seeds(lambda: head_policy(0.03), clock, **HOST_BOUND) > 1.06
 
 
 def test_the_margin_to_go_on_holds_only_within_a_spell_at_its_batch_size():
@@ -374,26 +390,27 @@ def test_the_margin_to_go_on_holds_only_within_a_spell_at_its_batch_size():
     assert p._spell == 0
 
 
-@pytest.mark.parametrize("case", ["cost overrated", "drafting dearer", "a batch of 16"])
+@pytest.mark.parametrize("case", ["drafting dearer", "a batch of 16"])
 def test_spells_that_lose_back_off(clock, case):
-    """Drafts whose cost the model underrates (the head's share of the parameters, 0.15 of a step,
-    against ~0.03 as the GPU runs it; a drafting step dearer than measured; 16 requests) start spells
-    that lose: each ends on a loss and doubles the wait before the next plan, so retries stay rare and
-    throughput within 2% of no speculation (0.89x was measured on the H200 before)."""
+    """Drafts that lose (a drafting step dearer than measured; 16 requests) start spells that lose:
+    each ends on a loss and doubles the wait before the next plan, so retries stay rare and
+    throughput within 2% of no speculation (0.89x was measured on the H200 before). Medians over five
+    seeds; at 16 requests the control loses 1.0%, backing off 0.8%."""
     steps = dict(HOST_BOUND)
-    policy = head_policy(0.03)
-    if case == "cost overrated":
-        policy = head_policy(0.15)
-    elif case == "drafting dearer":
+    if case == "drafting dearer":
         steps["drafting"] = 2.6e-3
     else:
         steps.update(num_reqs=16, plain_sync=1.6e-3, drafting=2.3e-3)
-    throughput = run_async_steps(policy, clock, **steps)
-    assert throughput > 0.98
+    policy = head_policy(0.03)
+    assert run_async_steps(policy, clock, **steps) > 0.98
     assert policy._backoff  # its bucket waits longer than an empty plan alone makes it
-    policy = head_policy(policy.draft_cost)
-    policy.max_backoff = 0  # the control: retried after every empty plan's wait
-    assert run_async_steps(policy, clock, **steps) < throughput
+    throughput = median_over_seeds(lambda: head_policy(0.03), clock, **steps)
+
+    def control() -> AdaptiveK:  # retried after every empty plan's wait
+        p = head_policy(0.03)
+        p.max_backoff = 0
+        return p
+    assert median_over_seeds(control, clock, **steps) < throughput
 
 
 # 8B shapes on an H200 at 64 requests (a spell's start and first drafting step as measured: the
@@ -439,20 +456,26 @@ def test_each_batch_size_pays_its_own_drafting_overhead(clock):
     work: the model prices 1.4), and one or 16 requests, where drafting pays: with one learned overhead
     for every batch size, the 64 requests' held the small batches back after each swing (1.32x / 1.20x
     a phase of 100 steps, in this replay) and theirs let the 64 requests retry at once (0.958x). Learned
-    per batch-size bucket: > 1.43x for the small batches (1.44-1.47x) and > 0.97x for the 64."""
+    per batch-size bucket: > 1.43x for the small batches (1.46-1.70x over four seeds) and > 0.965x for
+    the 64 (0.965-0.975x; the median over the seeds is judged)."""
     many = dict(num_reqs=64, plain_deferred=3.7e-3, plain_sync=6.6e-3, drafting=12.0e-3, catch_up=2e-3,
                 alpha=[0.5355, 0.6409, 0.6897, 0.575], request_len=256)
-    for few in (dict(many, num_reqs=1, plain_deferred=4.9e-3, plain_sync=5.6e-3, drafting=6.6e-3, catch_up=0.5e-3),
-                dict(many, num_reqs=16, plain_deferred=4.6e-3, plain_sync=5.6e-3, drafting=5.9e-3, catch_up=1e-3)):
+    def swings(few: dict, seed: int) -> dict[int, float]:
         p = head_policy(0.0389)
         p.catch_up_share = 0.036
         phases: dict[int, list[float]] = {64: [], few["num_reqs"]: []}
         for _ in range(6):
             for case in (many, few):
                 rows = int(case["catch_up"] / (case["plain_deferred"] / (1 + case["num_reqs"] / 128)) * 128 / 0.036)
-                phases[case["num_reqs"]].append(run_async_steps(p, clock, num_steps=100, **case, catch_up_rows=rows))
-        mean = {n: sum(t[1:]) / len(t[1:]) for n, t in phases.items()}  # after the first swing
-        assert mean[few["num_reqs"]] > 1.43 and mean[64] > 0.97, mean
+                phases[case["num_reqs"]].append(run_async_steps(p, clock, num_steps=100, **case, catch_up_rows=rows,
+                                                                seed=seed))
+        return {n: sum(t[1:]) / len(t[1:]) for n, t in phases.items()}  # after the first swing
+
+    for few in (dict(many, num_reqs=1, plain_deferred=4.9e-3, plain_sync=5.6e-3, drafting=6.6e-3, catch_up=0.5e-3),
+                dict(many, num_reqs=16, plain_deferred=4.6e-3, plain_sync=5.6e-3, drafting=5.9e-3, catch_up=1e-3)):
+        runs = [swings(few, seed) for seed in range(4)]
+        mean = {n: statistics.median(r[n] for r in runs) for n in runs[0]}
+        assert mean[few["num_reqs"]] > 1.43 and mean[64] > 0.965, runs
 
 
 def test_a_spell_starts_only_if_its_drafts_repay_the_catch_up(clock):
@@ -587,9 +610,9 @@ def test_a_spell_that_saved_time_does_not_back_off(clock):
     1.45 ms against plain steps of 1.0 ms left in flight, the head's drafts accepted as on ShareGPT,
     and stretches of text it drafts badly. Spells that saved 60-220 plain steps' time ended in such a
     stretch with their last steps' realized gain at -0.00 to -0.07, each counted as a loss: the backoff
-    climbed to 6 and bars of up to 512 steps kept a quarter of the run from drafting (1.20x; 1.19x in
-    this replay, 1.28x now). A spell is now judged by what it saved over all its steps where it saved
-    any."""
+    climbed to 6 and bars of up to 512 steps kept a quarter of the run from drafting (1.20x; 1.25x in
+    this replay, 1.28x now; 1.19x / 1.28x while draft steps were priced in full, before `draft_share`).
+    A spell is now judged by what it saved over all its steps where it saved any."""
     good, bad = [0.5169, 0.6042, 0.7189, 0.6183], [0.1] * 4
     steps = dict(num_steps=3000, plain_deferred=1.0e-3, plain_sync=1.4e-3, drafting=1.45e-3, request_len=128,
                  alpha=lambda step: bad if step % 250 >= 190 else good)
@@ -605,9 +628,9 @@ def test_a_spell_that_saved_time_does_not_back_off(clock):
 
     before = judged_by_last_steps(head_policy(0.03))
     throughput = run_async_steps(before, clock, **steps)
-    assert throughput < 1.22 and before._backoff
+    assert throughput < 1.26 and before._backoff
     now = head_policy(0.03)
-    assert run_async_steps(now, clock, **steps) > throughput + 0.06
+    assert run_async_steps(now, clock, **steps) > throughput + 0.03
     assert not now._backoff
 
 
@@ -675,9 +698,43 @@ def test_a_draft_step_is_priced_by_its_seconds_against_the_plain_steps():
         return p, p.plan({"a": 100}, 1, 8192)["a"]
 
     p, k = planned(30e-6)
-    assert abs(p._draft_cost(1) - 30e-6 / (1.03e-3 / p.costs(1))) < 1e-9 and k == 4
+    assert abs(p._draft_price(1) - 30e-6 / (1.03e-3 / p.costs(1))) < 1e-9 and k == 4
     assert planned(None)[1] == 3
-    assert planned(1.0)[0]._draft_cost(1) == 0.1  # never above the device-time ratio
+    assert planned(1.0)[0]._draft_price(1) == 0.1  # never above the device-time ratio
+
+
+def priced_in_full(p: AdaptiveK) -> AdaptiveK:
+    """`p` with its draft steps priced at their full modelled cost (as before `draft_share`)."""
+    p.draft_share = lambda num_sampled: 1.0
+    return p
+
+
+def test_draft_steps_are_priced_at_the_share_of_their_price_they_take(clock):
+    """The default model's real weights at one request on an H100 (policy traces): drafting steps of
+    K = 2, 3 and 4 draft steps took the same ~1.45 ms (the host sets the pace; the chain runs on the
+    device meanwhile), while the model priced a draft step at its device time, 0.067 plain steps:
+    adaptive k planned K = 3 in a third to half of its steps and accepted 2.05-2.17 tokens a step
+    against 2.25 for k = 4 forced. The share of the price that drafting steps show (`draft_share`,
+    fitted where K varies) is ~0 there: 1.26x -> 1.33x in this replay (k = 4 forced 1.35x). Where a
+    draft step adds its price (the device sets the pace) the share stays ~1 and nothing changes; a
+    price five times what a draft step adds is measured down (medians over five seeds: 1.00x -> 1.10x)."""
+    good = [0.5355, 0.6409, 0.6897, 0.575]
+    host_bound = dict(num_steps=3000, plain_deferred=1.0e-3, plain_sync=1.4e-3, drafting=1.45e-3, request_len=128,
+                      alpha=lambda step: [0.1] * 4 if step % 250 >= 190 else good)
+    before = run_async_steps(priced_in_full(head_policy(0.067)), clock, **host_bound)
+    now = head_policy(0.067)
+    assert run_async_steps(now, clock, **host_bound) > before + 0.04
+    assert now.draft_share(1) < 0.25
+    assert run_async_steps(AdaptiveK(4, adaptive=False), clock, **host_bound) < 1.37
+
+    device_bound = dict(host_bound, drafting=lambda num_steps: 1.18e-3 + num_steps * 0.15e-3)
+    before = run_async_steps(priced_in_full(head_policy(0.15)), clock, **device_bound)
+    now = head_policy(0.15)
+    assert abs(run_async_steps(now, clock, **device_bound) - before) < 0.005
+    assert now.draft_share(1) > 0.8
+
+    overrated = median_over_seeds(lambda: head_policy(0.15), clock, **HOST_BOUND)
+    assert overrated > median_over_seeds(lambda: priced_in_full(head_policy(0.15)), clock, **HOST_BOUND) + 0.05
 
 
 def test_a_draft_step_is_priced_at_the_batch_that_drafts():
@@ -702,10 +759,10 @@ def test_a_draft_step_is_priced_at_the_batch_that_drafts():
     scale = draft_scale({1: 60e-6, 2: 55e-6, 16: 72e-6, 64: 360e-6})
     assert scale == ((1, 1.0), (2, 1.0), (16, 1.2), (64, 6.0))  # never below a smaller batch's
     p, drafts = planned(scale)
-    one = p._draft_cost(64, 1)
-    assert one == planned(())[0]._draft_cost(64, 64)  # untimed batches: one request's price
-    assert abs(p._draft_cost(64, 10) - 1.2 * one) < 1e-12 and abs(p._draft_cost(64, 64) - 6 * one) < 1e-12
-    assert abs(p._draft_cost(64, 200) - 6 * one) < 1e-12
+    one = p._draft_price(64, 1)
+    assert one == planned(())[0]._draft_price(64, 64)  # untimed batches: one request's price
+    assert abs(p._draft_price(64, 10) - 1.2 * one) < 1e-12 and abs(p._draft_price(64, 64) - 6 * one) < 1e-12
+    assert abs(p._draft_price(64, 200) - 6 * one) < 1e-12
     assert drafts < planned(())[1]
 
 
