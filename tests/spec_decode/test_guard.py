@@ -713,7 +713,7 @@ def test_draft_steps_are_priced_at_the_share_of_their_price_they_take(clock):
     """The default model's real weights at one request on an H100 (policy traces): drafting steps of
     K = 2, 3 and 4 draft steps took the same ~1.45 ms (the host sets the pace; the chain runs on the
     device meanwhile), while the model priced a draft step at its device time, 0.067 plain steps:
-    adaptive k planned K = 3 in a third to half of its steps and accepted 2.05-2.17 tokens a step
+    adaptive k planned K = 3 in 27-37% of its plans and accepted 2.05-2.17 tokens a step
     against 2.25 for k = 4 forced. The share of the price that drafting steps show (`draft_share`,
     fitted where K varies) is ~0 there: 1.26x -> 1.33x in this replay (k = 4 forced 1.35x). Where a
     draft step adds its price (the device sets the pace) the share stays ~1 and nothing changes; a
