@@ -460,6 +460,7 @@ def test_each_batch_size_pays_its_own_drafting_overhead(clock):
     the 64 (0.965-0.975x; the median over the seeds is judged)."""
     many = dict(num_reqs=64, plain_deferred=3.7e-3, plain_sync=6.6e-3, drafting=12.0e-3, catch_up=2e-3,
                 alpha=[0.5355, 0.6409, 0.6897, 0.575], request_len=256)
+
     def swings(few: dict, seed: int) -> dict[int, float]:
         p = head_policy(0.0389)
         p.catch_up_share = 0.036
