@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prompts import humaneval_prompts, sharegpt_conversations  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.spec_decode.metrics import conditional_acceptance  # noqa: E402
 
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the complete function, its docstring "
                          "included, in one code block.\n\n")
@@ -188,12 +189,11 @@ class StallProbe:
 
 
 def conditional_rates(per_pos: list[int], judged: list[int]) -> list[float] | None:
-    """Per draft position j: the share of verifications that accepted draft j among those that had a
-    draft there and accepted every draft before it (what --eagle-acceptance replays; exact also under
-    adaptive k, whose shorter drafts the tail sums alone count as stops: `SpecDecodingStats`)."""
+    """A run's conditional acceptance per draft position (`conditional_acceptance` of its counters'
+    deltas: what --eagle-acceptance replays), rounded, 0.0 where none was judged; None if none was."""
     if not any(judged):
         return None
-    return [round(a / n, 4) if n else 0.0 for a, n in zip(per_pos, judged)]
+    return [0.0 if r is None else round(r, 4) for r in conditional_acceptance(per_pos, judged)]
 
 
 def configs(args) -> list[tuple[str, dict | None]]:

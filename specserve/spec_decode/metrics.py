@@ -39,7 +39,7 @@ class SpecDecodingStats:
 
     def acceptance_per_position(self) -> list[float | None]:
         """Per draft position: the share of the drafts judged there that were accepted (None: none judged)."""
-        return [a / n if n else None for a, n in zip(self.accepted_per_pos, self.judged_per_pos)]
+        return conditional_acceptance(self.accepted_per_pos, self.judged_per_pos)
 
     def as_dict(self) -> dict:
         return {
@@ -53,3 +53,9 @@ class SpecDecodingStats:
             "spec_decode_mean_acceptance_length": self.mean_acceptance_length,
             "spec_decode_acceptance_per_position": self.acceptance_per_position(),
         }
+
+
+def conditional_acceptance(accepted_per_pos: list[int], judged_per_pos: list[int]) -> list[float | None]:
+    """Per draft position j: the verifications that accepted draft j over those that judged one there
+    (`SpecDecodingStats`' counters, or the difference of two readings of them; None: none judged)."""
+    return [a / n if n else None for a, n in zip(accepted_per_pos, judged_per_pos)]
