@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prompts import humaneval_prompts, sharegpt_conversations  # noqa: E402
+from timing import host_probe  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.spec_decode.metrics import conditional_acceptance  # noqa: E402
@@ -156,7 +157,9 @@ def run_level(llm: LLM, prompts: list[list[int]], concurrency: int,
 
 class StallProbe:
     """What may stall a run, counted over it: kernels Triton compiled (new entries in its cache),
-    garbage collections (their time), and the CUDA allocator's device allocations and retries."""
+    garbage collections (their time), and the CUDA allocator's device allocations and retries; and
+    the host's speed just after it (`host_probe`, untimed: where one process's synchronous steps run
+    slower than another's, whether its host does too)."""
 
     def __init__(self) -> None:
         self.cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
@@ -185,7 +188,8 @@ class StallProbe:
         gc.callbacks.remove(self._gc)
         alloc = self._alloc()
         return {"kernels_compiled": self._kernels() - self.kernels, "gc_ms": round(1000 * self.gc_s, 1),
-                "device_allocs": alloc[0] - self.alloc[0], "alloc_retries": alloc[1] - self.alloc[1]}
+                "device_allocs": alloc[0] - self.alloc[0], "alloc_retries": alloc[1] - self.alloc[1],
+                "host_probe_ms": host_probe()}
 
 
 def conditional_rates(per_pos: list[int], judged: list[int]) -> list[float] | None:
@@ -243,7 +247,7 @@ def configs(args) -> list[tuple[str, dict | None]]:
 
 # a run's numbers that merged runs keep as a list, one per run (not summed)
 PER_RUN_KEYS = ("slowest_steps_ms", "kernels_compiled", "gc_ms", "device_allocs", "alloc_retries", "sync_steps",
-                "sync_steps_s", "ahead_steps")
+                "sync_steps_s", "ahead_steps", "host_probe_ms")
 
 
 def merge_runs(runs: list[dict]) -> dict:
@@ -526,7 +530,8 @@ def markdown(results: dict, names: list[str]) -> str:
     lines += ["", "Per run, in order (what may explain a slow one): tok/s; the request-steps that verified drafts, and "
               "the steps; steps not left in flight (async scheduling) "
               "and their mean ms; the three slowest steps, ms; garbage collection ms; the CUDA allocator's device "
-              "allocations / retries; kernels Triton compiled.", ""]
+              "allocations / retries; kernels Triton compiled; the host's speed after the run (a fixed piece of "
+              "pure Python, ms: higher is slower).", ""]
     for row in results["levels"]:
         for n in names:
             lines.append(f"- {row['dataset']}, {row['concurrency']}, {n}: " + "; ".join(
@@ -549,7 +554,8 @@ def run_diagnostics(run: dict) -> str:
     return (f"{run['tokens_per_s']:.0f} tok/s, {run['num_drafts']} drafting request-steps of {run['steps']} steps, "
             f"{sync} sync {mean_sync} ms, slowest "
             f"{'/'.join(f'{t:g}' for t in run['slowest_steps_ms'])}, gc {run['gc_ms']:g}, allocs "
-            f"{run['device_allocs']}/{run['alloc_retries']}, compiled {run['kernels_compiled']}")
+            f"{run['device_allocs']}/{run['alloc_retries']}, compiled {run['kernels_compiled']}, "
+            f"host probe {run['host_probe_ms']:g} ms")
 
 
 if __name__ == "__main__":

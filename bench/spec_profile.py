@@ -33,13 +33,18 @@ import os
 import pstats
 import subprocess
 import random
+import sys
 import time
 import types
+from pathlib import Path
 
 import torch
 
-from specserve import LLM, SamplingParams
-from specserve.engine import model_runner
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import host_probe  # noqa: E402
+
+from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.engine import model_runner  # noqa: E402
 
 
 def build(args, spec: dict | None) -> LLM:
@@ -237,17 +242,6 @@ def timeline(path: str) -> dict:
             "device_busy_share": round(busy_us / (t1 - t0), 3),
             "idle_ms_per_step_while_host_in": {k: round(v / n / 1000, 3) for k, v in during.most_common(12)},
             "idle_ms_per_step_ended_by_launch_in": {k: round(v / n / 1000, 3) for k, v in ended_by.most_common(8)}}
-
-
-def host_probe() -> float:
-    """Milliseconds a fixed piece of pure Python takes (the best of three): this process's host speed,
-    which on a shared machine varies between processes and so sets the pace of host-bound steps."""
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        sum(i * i % 7 for i in range(300_000))
-        best = min(best, time.perf_counter() - t)
-    return round(1000 * best, 2)
 
 
 def top(profile: cProfile.Profile, key: str, n: int) -> str:

@@ -9,6 +9,17 @@ from collections.abc import Callable
 import torch
 
 
+def host_probe() -> float:
+    """Milliseconds a fixed piece of pure Python takes (the best of three): this process's host speed,
+    which on a shared machine varies between processes and so sets the pace of host-bound steps."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        sum(i * i % 7 for i in range(300_000))
+        best = min(best, time.perf_counter() - t)
+    return round(1000 * best, 2)
+
+
 def median_seconds(fn: Callable[[], object], iters: int, device: torch.device,
                    before_each: Callable[[], object] | None = None) -> float:
     """Median seconds of `fn` over `iters` calls after 3 warm-up calls, the device synchronized
