@@ -12,7 +12,9 @@ bf16 the verification shapes k implies can flip near-ties: docs/speculative.md, 
   when its device time is known (`draft_seconds`: an EAGLE chain's graph), that time over the plain
   step's measured one (a target whose host sets the pace takes longer per step than its device time);
   where the chain's graphs were timed at several batch sizes (`draft_scale`), both are scaled to the
-  batch that drafts: a chain over 64 requests costs more than one over one;
+  batch that drafts: a chain over 64 requests costs more than one over one; and that price times the
+  share of it drafting steps were measured to add (`draft_share`: where the host sets the pace, the
+  device runs the chain meanwhile and a draft step may add nothing);
 - request r accepts a draft (given the previous one was accepted) with probability alpha_r,
   estimated from verifications (decayed counts plus a prior) under a key the proposer chooses:
   per request for a draft model or an EAGLE head, whose prior is then the acceptance of all
