@@ -508,7 +508,7 @@ class AdaptiveK:
         beyond = min(max(seconds / unit - self.costs(num_base_tokens + num_draft_tokens), 0.0), cap)
         price = self._draft_price(num_base_tokens, num_sampled)
         self._fit_draft_share(num_sampled, num_draft_steps, price, beyond)
-        sample = min(max(beyond - num_draft_steps * price * self.draft_share(num_sampled), 0.0), cap)
+        sample = max(beyond - num_draft_steps * price * self.draft_share(num_sampled), 0.0)  # <= beyond <= cap
         self._overheads[batch_bucket(num_sampled)] = (0.8 * self.step_overhead(num_sampled) + 0.2 * sample,
                                                       self.guard.num_steps)
 
