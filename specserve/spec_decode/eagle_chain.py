@@ -7,7 +7,10 @@ as hidden state) and d_{j+1} = its argmax. Eagerly that is k - 1 forwards, each 
 metadata, launches and graph-buffer copies. Here the whole chain is captured once and replayed: the
 positions, KV slots and sequence lengths of every step are computed on the device from the requests'
 context lengths L and block tables (both already there: the catch-up's metadata), so a replay costs
-a few buffer copies and one launch, and the host waits only for the drafts it reads back.
+a few buffer copies and one launch, and the host waits only for the drafts it reads back. They are
+computed for all steps at once (`chain_positions`: ~16 small kernels at any k, where one step's
+took ~12): at one request the chain is a few hundred tiny kernels that the device runs back to
+back, so each one left out is time off a drafting step.
 
 A request with fewer drafts than the graph's k (adaptive k differs per request) repeats its last
 chain position for the remaining steps without writing KV (slot PAD_SLOT_ID; reading its own valid
@@ -48,6 +51,10 @@ class ChainGraphs:
         self.block_tables = torch.zeros(batch, -(-max_model_len // block_size), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(batch, max_k, dtype=torch.long, device=device)  # drafts (target ids)
         self._query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        # constants of `chain_positions`, made once (not captured): the chain steps' indices and each
+        # request's first entry in the flattened block tables
+        self._steps = torch.arange(max(max_k - 1, 1), device=device).unsqueeze(1)
+        self._table_rows = (torch.arange(batch, device=device) * self.block_tables.shape[1]).unsqueeze(0)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     @torch.inference_mode()
@@ -89,22 +96,39 @@ class ChainGraphs:
 
     def _chain(self, batch: int, k: int) -> None:
         """The captured work: k drafts for the first `batch` requests of the buffers."""
-        head, bs = self.head, self.block_size
+        head = self.head
         vocab = head.draft_vocab
         out = self.out0[:batch]
-        first = self.seq_lens[:batch].long()  # L: the position of the chain's first head entry
-        last_step = (self.ks[:batch] - 2).clamp(min=-1)  # a request's last chain step (-1: none)
         tables = self.block_tables[:batch]
         tokens = self.tokens[:batch]
         tokens[:, 0] = vocab[head.compute_logits(out).argmax(dim=-1)]
+        if k == 1:
+            return
+        positions, slots, seq_lens = chain_positions(
+            self.seq_lens[:batch], self.ks[:batch], tables, self.block_size, self._steps[:k - 1],
+            self._table_rows[:, :batch])
         for j in range(1, k):
-            positions = first + torch.clamp(last_step, max=j - 1)  # past its own k: its last position again
-            blocks = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
-            slots = torch.where(last_step >= j - 1, blocks * bs + positions % bs, PAD_SLOT_ID)
             meta = AttentionMetadata(
                 num_reqs=batch, num_tokens=batch, max_query_len=1, max_seq_len=self.max_model_len,
-                query_start_loc=self._query_start_loc[:batch + 1], seq_lens=(positions + 1).int(),
-                block_tables=tables, slot_mapping=slots, query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch,
-                block_size=bs)
-            out = head(tokens[:, j - 1], positions, self.kv_caches, meta, hidden_states=out)
+                query_start_loc=self._query_start_loc[:batch + 1], seq_lens=seq_lens[j - 1],
+                block_tables=tables, slot_mapping=slots[j - 1], query_lens_cpu=[1] * batch,
+                seq_lens_cpu=[1] * batch, block_size=self.block_size)
+            out = head(tokens[:, j - 1], positions[j - 1], self.kv_caches, meta, hidden_states=out)
             tokens[:, j] = vocab[head.compute_logits(out).argmax(dim=-1)]
+
+
+def chain_positions(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor, block_size: int,
+                    steps: torch.Tensor, table_rows: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every chain step's inputs at once, [k - 1, P] each, contiguous per step: positions (int64),
+    KV slots (int64; PAD_SLOT_ID where a request is past its own k) and sequence lengths (int32).
+    first: [P] L, the position of a request's first chain entry (any int dtype); ks: [P] int64 its
+    drafts; tables: [P, W] int32 block tables (contiguous rows); steps: [k - 1, 1] int64 0 .. k - 2;
+    table_rows: [1, P] int64 i * W. Chain step j (1-based) runs entry L - 1 + j: position
+    L + j - 1, or, past a request's own k (and for padding requests, k = 0), its last position again
+    (L + k - 2, or L - 1 with k <= 1), writing nothing there."""
+    last_step = (ks - 2).clamp(min=-1)  # a request's last chain step, 0-based (-1: none)
+    positions = first.long() + torch.minimum(last_step, steps)  # [k - 1, P]
+    blocks = torch.take(tables, table_rows + positions // block_size).long()
+    slots = torch.where(last_step >= steps, blocks * block_size + positions % block_size, PAD_SLOT_ID)
+    return positions, slots, (positions + 1).int()

@@ -592,6 +592,41 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
     assert_same_drafts_before_the_end(runs["ahead"], runs["graph"], 3, MAX_NEW)  # past it, every draft verified
 
 
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_the_chain_graphs_step_inputs_are_the_eager_chains(k):
+    """`chain_positions` (all of a chain graph's steps' inputs at once, on the device) gives each
+    request the positions, KV slots and sequence lengths the eager chain's metadata (`chain_metadata`)
+    gives it while it drafts; past its own k (and for padding requests, k = 0) it repeats its last
+    position, writes nothing and reads only positions it holds."""
+    from specserve.engine.step_inputs import chain_metadata
+    from specserve.models.layers.attention import PAD_SLOT_ID
+    from specserve.spec_decode.eagle_chain import chain_positions
+    gen = torch.Generator().manual_seed(k)
+    bs, width, num_reqs = 4, 9, 7
+    ks = [k, 1, k - 1, 0, k, 2, 0][:num_reqs]  # the last two: a short one and padding
+    firsts = [int(torch.randint(1, bs * width - k, (1,), generator=gen)) for _ in ks]
+    firsts[-1] = 1  # padding: L = 1, block 0
+    tables = torch.randperm(100, generator=gen)[:num_reqs * width].view(num_reqs, width).int()
+    positions, slots, seq_lens = chain_positions(
+        torch.tensor(firsts, dtype=torch.int32), torch.tensor(ks), tables, bs, torch.arange(k - 1).unsqueeze(1),
+        (torch.arange(num_reqs) * width).unsqueeze(0))
+    assert positions.shape == slots.shape == seq_lens.shape == (k - 1, num_reqs)
+    assert all(t[j].is_contiguous() for t in (positions, slots, seq_lens) for j in range(k - 1))
+    assert seq_lens.dtype == torch.int32 and slots.dtype == positions.dtype == torch.int64
+    order = sorted(range(num_reqs), key=lambda i: -ks[i])  # the eager chain's order: most drafts first
+    num_active = [sum(ks[i] > j for i in order) for j in range(1, k)]
+    eager = chain_metadata([firsts[i] for i in order], num_active, [tables[i].tolist() for i in order], bs,
+                           torch.device("cpu"))
+    for j, (pos, meta) in enumerate(eager):
+        for row, i in enumerate(order):
+            if row < num_active[j]:
+                assert positions[j, i] == pos[row] and slots[j, i] == meta.slot_mapping[row]
+                assert seq_lens[j, i] == meta.seq_lens[row]
+            else:
+                last = firsts[i] + max(ks[i], 1) - 2
+                assert positions[j, i] == last and seq_lens[j, i] == last + 1 and slots[j, i] == PAD_SLOT_ID
+
+
 @pytest.mark.parametrize("head", ["trained_head_dir", "fused_head_dir"])
 def test_an_int8_head_keeps_the_output_and_drafts_nearly_as_well(tiny_llama_dir, head, request):
     """quantization int8: the linear layers a draft step runs (not the fused feature's, which the
