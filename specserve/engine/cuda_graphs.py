@@ -246,7 +246,8 @@ class StepGraphs:
         in only its inputs that are not there yet."""
         num_tokens = meta.num_tokens
         for name, value in inputs.items():
-            self.inputs[name][:num_tokens].copy_(value)
+            if value.data_ptr() != self.inputs[name].data_ptr():  # (else written there already)
+                self.inputs[name][:num_tokens].copy_(value)
         if input_ids.data_ptr() != self.input_ids.data_ptr():
             self.input_ids[:num_tokens].copy_(input_ids)
         if meta.extra.get("staged") != key:

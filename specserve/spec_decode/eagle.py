@@ -336,16 +336,24 @@ class EagleProposer:
         behind_rows = sum(max(0, slot.sched.start - start) for slot, start in zip(chained, starts))
         g = self.policy.timed_catch_up(
             ex.device, behind_rows, num_rows,
-            lambda: ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype)))
+            lambda: ex.forward(ids_d, positions, meta, hidden_states=self._sources(src_d, graphed)))
         ends = ends_d.view(2, -1) + n  # per request: its newest row in g and its context length L
-        newest, context_lens = g[ends[0]], ends[1]
         chain = self.chain_graphs
         if chain is not None and chain.can_run(len(ks), max(ks)):
             tables_d = meta.block_tables[:len(chained)]
-            pending.tokens = chain.run(newest, context_lens, ks_d, tables_d, max(ks))
+            pending.tokens = chain.run(g, ends[0], ends[1], ks_d, tables_d, max(ks))
         else:  # eager (the CPU): the chain's metadata needs the context lengths on the host
-            pending.tokens, _ = self._chain(newest, chained, context_lens.tolist())
+            pending.tokens, _ = self._chain(g[ends[0]], chained, ends[1].tolist())
         return pending
+
+    def _sources(self, src_d: torch.Tensor, graphed: bool) -> torch.Tensor:
+        """The catch-up's input features (the stored ones at `src_d`): where the head's graph runs it,
+        gathered straight into that graph's input buffer (one launch, where a gather and the graph's
+        copy took two: at one request the host sets a drafting step's pace, ~10 us a launch)."""
+        if graphed and self._hidden.dtype == self._dtype:
+            buffer = self.executor.graphs.inputs["hidden_states"][:src_d.shape[0]]
+            return torch.index_select(self._hidden, 0, src_d, out=buffer)
+        return self._hidden[src_d].to(self._dtype)
 
     def _padding(self, num_rows: int, tables: list[list[int]]) -> list[int]:
         """Query lengths of padding requests that bring an eager catch-up of `num_rows` rows to its
@@ -421,7 +429,7 @@ class EagleProposer:
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
             extra_int64=[np.asarray(ids, dtype=np.int64), np.asarray(ks, dtype=np.int64)],
             prev_slots=self._hidden.shape[0] - 1)
-        g = ex.forward(ids_d, positions, meta, hidden_states=self._hidden[src_d].to(self._dtype))
+        g = ex.forward(ids_d, positions, meta, hidden_states=self._sources(src_d, False))
         return g[meta.query_start_loc[1:].long() - 1], meta, ks_d
 
     @property

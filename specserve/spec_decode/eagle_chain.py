@@ -77,14 +77,15 @@ class ChainGraphs:
     def can_run(self, num_reqs: int, k: int) -> bool:
         return num_reqs <= self.sizes[-1] and k <= self.max_k
 
-    def run(self, out0: torch.Tensor, seq_lens: torch.Tensor, ks: torch.Tensor, block_tables: torch.Tensor,
-            max_k: int) -> torch.Tensor:
-        """out0: [P, h] the newest entries' head outputs; seq_lens: [P] context lengths L (any int dtype);
-        ks: [P] int64 drafts per request, at most max_k; block_tables: [P, W] int32. Returns the
-        drafts [P, max_k] (a view of a graph buffer: read it before the next replay)."""
+    def run(self, out: torch.Tensor, newest: torch.Tensor, seq_lens: torch.Tensor, ks: torch.Tensor,
+            block_tables: torch.Tensor, max_k: int) -> torch.Tensor:
+        """out: [N, h] the catch-up's head outputs; newest: [P] int64 each request's newest entry's row
+        in them; seq_lens: [P] context lengths L (any int dtype); ks: [P] int64 drafts per request, at
+        most max_k; block_tables: [P, W] int32. Returns the drafts [P, max_k] (a view of a graph
+        buffer: read it before the next replay)."""
         n, width = block_tables.shape
         batch = next(s for s in self.sizes if s >= n)
-        self.out0[:n].copy_(out0)
+        torch.index_select(out, 0, newest, out=self.out0[:n])  # picked straight into the buffer: one launch
         self.seq_lens[:n].copy_(seq_lens)
         self.ks[:n].copy_(ks)
         self.block_tables[:n, :width].copy_(block_tables)
