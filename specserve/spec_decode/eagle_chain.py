@@ -98,11 +98,10 @@ class ChainGraphs:
     def _chain(self, batch: int, k: int) -> None:
         """The captured work: k drafts for the first `batch` requests of the buffers."""
         head = self.head
-        vocab = head.draft_vocab
         out = self.out0[:batch]
         tables = self.block_tables[:batch]
         tokens = self.tokens[:batch]
-        tokens[:, 0] = vocab[head.compute_logits(out).argmax(dim=-1)]
+        tokens[:, 0] = head.greedy_drafts(out)
         if k == 1:
             return
         positions, slots, seq_lens = chain_positions(
@@ -115,7 +114,7 @@ class ChainGraphs:
                 block_tables=tables, slot_mapping=slots[j - 1], query_lens_cpu=[1] * batch,
                 seq_lens_cpu=[1] * batch, block_size=self.block_size)
             out = head(tokens[:, j - 1], positions[j - 1], self.kv_caches, meta, hidden_states=out)
-            tokens[:, j] = vocab[head.compute_logits(out).argmax(dim=-1)]
+            tokens[:, j] = head.greedy_drafts(out)
 
 
 def chain_positions(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor, block_size: int,

@@ -182,9 +182,17 @@ class EagleHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """g [N, h] -> fp32 logits over the draft vocabulary [N, Vd] (row i = target id draft_vocab[i])."""
+        return self._logits(hidden).float()
+
+    def greedy_drafts(self, hidden: torch.Tensor) -> torch.Tensor:
+        """g [N, h] -> the greedy drafts [N] (target ids): the argmax of the logits in the layer's own
+        dtype (casting them to fp32 changes no value, so no order: the cast's kernel is left out)."""
+        return self.draft_vocab[self._logits(hidden).argmax(dim=-1)]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._lm_head_layer is not None:
-            return self._lm_head_layer(hidden).float()
-        return nn.functional.linear(hidden, self._lm_head).float()
+            return self._lm_head_layer(hidden)
+        return nn.functional.linear(hidden, self._lm_head)
 
     def use_packed_linears(self, pack: Callable[[torch.Tensor], nn.Module | None]) -> int:
         """The draft LM head's rows run packed (models/layers/cpu_linear.py); the tensor stays for training."""
