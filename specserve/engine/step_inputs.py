@@ -300,9 +300,22 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, device
     if fill_dst:
         ids[dst] = prev_tokens.tokens[src]
     if draft_dst:
-        ids[ddst] = drafts.tokens[dsrc]
+        _take(ids, draft_dst, ddst, drafts.tokens, draft_src, dsrc)
     return StepInputs(input_ids=ids, positions=positions, meta=meta, logits_indices=logits_indices,
                       logits_rows=logits_rows)
+
+
+def _take(out: torch.Tensor, dst: list[int], dst_d: torch.Tensor, src: torch.Tensor, src_rows: list[int],
+          src_d: torch.Tensor) -> None:
+    """out[dst] = src[src_rows] (dst_d, src_d: those index lists on the device). Where both are runs of
+    consecutive indices (one drafting request: its drafts into its step's rows) one slice copy does
+    it, where a gather and a scatter took two launches (~10 us of host time each on an H200's host,
+    on the path of every drafting step at one request)."""
+    n, d, r = len(dst), dst[0], src_rows[0]
+    if dst == list(range(d, d + n)) and src_rows == list(range(r, r + n)):
+        out[d:d + n].copy_(src[r:r + n])
+    else:
+        out[dst_d] = src[src_d]
 
 
 @dataclass

@@ -55,3 +55,23 @@ def test_step_metadata_keeps_every_array_aligned():
     assert meta.slot_mapping.tolist() == [32, 33, 34, 16, 51]
     assert meta.query_start_loc.tolist() == [0, 3, 4, 5] and meta.seq_lens.tolist() == [3, 9, 20]
     assert meta.block_tables.tolist() == [[4, 0, 0], [7, 2, 0], [1, 5, 6]] and extra.tolist() == list(range(5))
+
+
+@pytest.mark.parametrize("dst,src_rows", [([1, 2, 3], [4, 5, 6]), ([5], [0]), ([1, 2, 5, 6], [0, 1, 2, 3]),
+                                          ([1, 2, 3], [2, 1, 0]), ([0, 1, 2], [0, 2, 4])])
+def test_drafts_in_flight_reach_their_rows_by_one_copy_or_by_index(monkeypatch, dst, src_rows):
+    """The drafts a step takes on the device (`_take`) land where indexing puts them, whether their
+    rows are one run each (one drafting request: a slice copy) or not (a gather and a scatter)."""
+    from specserve.engine import step_inputs
+
+    out, src = torch.zeros(8, dtype=torch.long), torch.arange(100, 108)
+    expected = out.clone()
+    expected[torch.tensor(dst)] = src[torch.tensor(src_rows)]
+    launches = []
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, other, _copy=torch.Tensor.copy_: launches.append(1) or
+                        _copy(self, other))
+    step_inputs._take(out, dst, torch.tensor(dst), src, src_rows, torch.tensor(src_rows))
+    assert torch.equal(out, expected)
+    n = len(dst)
+    runs = dst == list(range(dst[0], dst[0] + n)) and src_rows == list(range(src_rows[0], src_rows[0] + n))
+    assert bool(launches) == runs
