@@ -46,7 +46,7 @@ class _Verifying:
 
     out: ModelRunnerOutput
     rows: list
-    verified: list[torch.Tensor]  # host copies of the argmax rows and accepted counts
+    verified: list[torch.Tensor]  # the host copy of the argmax rows, then the accepted counts (one tensor)
     event: torch.cuda.Event | None
     pending: object  # the proposer's DeviceDrafts
     drafts: tuple | None  # the drafts' host copy and its event
@@ -219,11 +219,14 @@ class ModelRunner:
         meanwhile. Until it is read, the drafts the scheduler holds are placeholders
         (DRAFT_PLACEHOLDER) of the right number."""
         logits = self.target.compute_logits(inputs.at_logits_rows(hidden))
-        argmax = logits.argmax(dim=-1)
         rows = inputs.logits_rows
+        # the argmax of every row, then each request's accepted count, in one tensor: one copy to the host
+        num_logits = logits.shape[0]
+        verdict = torch.empty(num_logits + len(rows), dtype=torch.long, device=self.device)
+        argmax = torch.argmax(logits, dim=-1, out=verdict[:num_logits])
         n = self.rejection_sampler.greedy_on_device(argmax, inputs.at_logits_rows(inputs.input_ids),
-                                                    [c for _, _, c in rows], self.staging)
-        verified, event = self._to_host([argmax, n])
+                                                    [c for _, _, c in rows], self.staging, out=verdict[num_logits:])
+        verified, event = self._to_host([verdict])
         pending = self.proposer.draft_on_device(DeviceStep(sched, rows, hidden, inputs.meta.slot_mapping, argmax, n,
                                                            ahead))
         drafts = self._to_host([pending.tokens.reshape(-1)]) if pending.tokens is not None else None
@@ -236,7 +239,8 @@ class ModelRunner:
         if v.event is not None:
             v.event.synchronize()  # the step's one wait
         self._settle_drafts(sched)  # this step's drafts (read from the device) reach the host books
-        tokens, accepted = v.verified[0].tolist(), v.verified[1].tolist()
+        verdict = v.verified[0].tolist()
+        tokens, accepted = verdict[:v.argmax.shape[0]], verdict[v.argmax.shape[0]:]
         for i, (s, first, _) in enumerate(v.rows):
             if s.request.is_finished:  # by its step before (a step scheduled ahead): its work is dropped
                 continue

@@ -176,33 +176,36 @@ class RejectionSampler:
         return VerifyResult(token_ids, num_accepted, [None] * len(reqs))
 
     def greedy_on_device(self, argmax: torch.Tensor, row_ids: torch.Tensor, counts: Sequence[int],
-                         staging: HostStaging) -> torch.Tensor:
+                         staging: HostStaging, out: torch.Tensor | None = None) -> torch.Tensor:
         """The greedy rule with the verification left on the device, for drafting on the device: `argmax`
         [M] the target's argmax of every logits row, `row_ids` [M] the input token at each row, `counts`
         the requests' rows (1 + k each, in row order: a request's rows are its last 1 + k input tokens,
         its newest token and its drafts, so the draft row j judges is the token at row j + 1). Returns
         the accepted-prefix lengths n [R] on the device: request r's tokens are its first n drafts,
         then argmax[its first row + n]. (With `simulated_acceptance` n is drawn on the host and
-        uploaded.) No host wait; nothing uploaded when every request has the same count."""
+        uploaded.) No host wait; nothing uploaded when every request has the same count. `out`: an int64
+        [R] tensor to write n into (it is returned)."""
         num, max_k = len(counts), max(counts) - 1
+        if out is None:
+            out = torch.empty(num, dtype=torch.long, device=argmax.device)
         if max_k == 0:
-            return torch.zeros(num, dtype=torch.long, device=argmax.device)
+            return out.zero_()
         if self.simulated_acceptance is None and all(c == max_k + 1 for c in counts):
             # every request verifies k drafts: its rows reshape (nothing built on the host)
             rows, ids = argmax.view(num, max_k + 1), row_ids.view(num, max_k + 1)
-            return (rows[:, :max_k] == ids[:, 1:]).cumprod(dim=1).sum(dim=1)  # a bool cumprod is int64
+            return torch.sum((rows[:, :max_k] == ids[:, 1:]).cumprod(dim=1), dim=1, out=out)  # a bool cumprod is int64
         ks = np.asarray(counts, dtype=np.int64) - 1
         valid = np.arange(max_k)[None, :] < ks[:, None]  # [R, K]
         if self.simulated_acceptance is not None:
             accepted = self._simulated(num, max_k, "cpu").numpy() & valid
             (n,) = staging.to_device([np.cumprod(accepted, axis=1).sum(axis=1)], torch.int64)
-            return n
+            return out.copy_(n)
         firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         grid = np.where(valid, firsts[:, None] + np.arange(max_k)[None, :], len(argmax))  # padding: no match
         (grid_d,) = staging.to_device([grid.ravel()], torch.int64)
         # row i judges the token at row i + 1 (rows past a request's last draft are never in the grid)
         match = torch.cat([argmax[:-1] == row_ids[1:], argmax.new_zeros(2, dtype=torch.bool)])
-        return match[grid_d].view(num, max_k).cumprod(dim=1).sum(dim=1)
+        return torch.sum(match[grid_d].view(num, max_k).cumprod(dim=1), dim=1, out=out)
 
     def _sample_random(self, rand: list[int], reqs: Sequence[VerifyRequest], target: torch.Tensor,
                        drafts: torch.Tensor, valid: torch.Tensor, num_accepted: torch.Tensor,
