@@ -208,15 +208,16 @@ class EagleProposer:
         ks = [slot.k for slot in chained]
         # rows from before this step's positions: a spell's start (the head had not run for them)
         behind_rows = sum(max(0, slot.sched.start - start) for slot, start, _ in segments)
-        newest, meta, ks_d = self.policy.timed_catch_up(
+        g, meta, ks_d = self.policy.timed_catch_up(
             self.executor.device, behind_rows, sum(end - start for _, start, end in segments),
             lambda: self._catch_up(segments, ks))
+        newest = meta.query_start_loc[1:].long() - 1  # each request's last row: its newest token's entry
         chain = self.chain_graphs
         if chain is not None and chain.can_run(len(ks), max(ks)) and \
                 all(slot.sched.request.sampling_params.greedy for slot in chained):
-            rows = chain.run(newest, meta.seq_lens, ks_d, meta.block_tables, max(ks)).tolist()
+            rows = chain.run(g, newest, meta.seq_lens, ks_d, meta.block_tables, max(ks)).tolist()
             return self._drafts(chained, rows, [[] for _ in chained])
-        tokens, probs = self._chain(newest, chained, [end for _, _, end in segments])
+        tokens, probs = self._chain(g[newest], chained, [end for _, _, end in segments])
         return self._drafts(chained, tokens.tolist(), probs)
 
     # -- the step, drafting on the device ------------------------------------------------------------
@@ -412,8 +413,8 @@ class EagleProposer:
     def _catch_up(self, segments: list[tuple[DraftSlot, int, int]], ks: list[int]
                   ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The head's entries [start, end) of each drafting request, in one ragged forward. Returns
-        the outputs of each request's last entry (the newest token's) [P, h], the forward's metadata
-        (seq_lens = the ends, block tables) and `ks` on the device [P]."""
+        its outputs [rows, h], the forward's metadata (seq_lens = the ends, block tables) and `ks` on
+        the device [P]."""
         bs = self.entries.block_size
         ids: list[int] = []
         query_lens, seq_lens, tables = [], [], []
@@ -429,8 +430,7 @@ class EagleProposer:
             query_lens, seq_lens, tables, bs, ex.device, staging=ex.staging,
             extra_int64=[np.asarray(ids, dtype=np.int64), np.asarray(ks, dtype=np.int64)],
             prev_slots=self._hidden.shape[0] - 1)
-        g = ex.forward(ids_d, positions, meta, hidden_states=self._sources(src_d, False))
-        return g[meta.query_start_loc[1:].long() - 1], meta, ks_d
+        return ex.forward(ids_d, positions, meta, hidden_states=self._sources(src_d, False)), meta, ks_d
 
     @property
     def _dtype(self) -> torch.dtype:
