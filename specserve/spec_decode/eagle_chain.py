@@ -9,8 +9,10 @@ positions, KV slots and sequence lengths of every step are computed on the devic
 context lengths L and block tables (both already there: the catch-up's metadata), so a replay costs
 a few buffer copies and one launch, and the host waits only for the drafts it reads back. They are
 computed for all steps at once (`chain_positions`: ~16 small kernels at any k, where one step's
-took ~12): at one request the chain is a few hundred tiny kernels that the device runs back to
-back, so each one left out is time off a drafting step.
+took ~12), and each step's draft is picked by one kernel (`kernels/greedy_pick.py`: the argmax of the
+draft logits in their own dtype, the draft vocabulary's lookup and the write, which took four): at
+one request the chain is ~90 tiny kernels that the device runs back to back (113 before these; on an
+H100 at k = 4 on the default model's shape 0.26 ms), so each one left out is time off a drafting step.
 
 A request with fewer drafts than the graph's k (adaptive k differs per request) repeats its last
 chain position for the remaining steps without writing KV (slot PAD_SLOT_ID; reading its own valid
@@ -97,11 +99,13 @@ class ChainGraphs:
 
     def _chain(self, batch: int, k: int) -> None:
         """The captured work: k drafts for the first `batch` requests of the buffers."""
+        from specserve.kernels.greedy_pick import greedy_pick  # (Triton: CUDA only)
+
         head = self.head
         out = self.out0[:batch]
         tables = self.block_tables[:batch]
         tokens = self.tokens[:batch]
-        tokens[:, 0] = head.greedy_drafts(out)
+        greedy_pick(head.draft_logits(out), tokens[:, 0], head.draft_vocab)
         if k == 1:
             return
         positions, slots, seq_lens = chain_positions(
@@ -114,7 +118,7 @@ class ChainGraphs:
                 block_tables=tables, slot_mapping=slots[j - 1], query_lens_cpu=[1] * batch,
                 seq_lens_cpu=[1] * batch, block_size=self.block_size)
             out = head(tokens[:, j - 1], positions[j - 1], self.kv_caches, meta, hidden_states=out)
-            tokens[:, j] = head.greedy_drafts(out)
+            greedy_pick(head.draft_logits(out), tokens[:, j], head.draft_vocab)  # one launch: argmax, lookup, write
 
 
 def chain_positions(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor, block_size: int,

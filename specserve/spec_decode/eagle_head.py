@@ -182,14 +182,11 @@ class EagleHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """g [N, h] -> fp32 logits over the draft vocabulary [N, Vd] (row i = target id draft_vocab[i])."""
-        return self._logits(hidden).float()
+        return self.draft_logits(hidden).float()
 
-    def greedy_drafts(self, hidden: torch.Tensor) -> torch.Tensor:
-        """g [N, h] -> the greedy drafts [N] (target ids): the argmax of the logits in the layer's own
-        dtype (casting them to fp32 changes no value, so no order: the cast's kernel is left out)."""
-        return self.draft_vocab[self._logits(hidden).argmax(dim=-1)]
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """g [N, h] -> the draft logits [N, Vd] in the layer's own dtype: where only their argmax is read
+        (greedy drafts) the fp32 cast changes no value, so no order, and its kernel is left out."""
         if self._lm_head_layer is not None:
             return self._lm_head_layer(hidden)
         return nn.functional.linear(hidden, self._lm_head)
