@@ -21,7 +21,7 @@ if __name__ == "kernels":
 else:
     from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
     from specserve.kernels.attention_config import KernelConfig, select_configs
-    from specserve.kernels.greedy_pick import greedy_pick, ref_greedy_pick
+    from specserve.kernels.greedy_pick import greedy_pick, linear_greedy_pick, ref_greedy_pick, ref_linear_greedy_pick
     from specserve.kernels.int8_linear import int8_linear, ref_int8_linear
     from specserve.kernels.move_back import move_back, ref_move_back, warm_up_move_back
     from specserve.kernels.paged_attention import paged_attention, ref_paged_attention, warm_up_paged_attention
@@ -33,10 +33,12 @@ else:
         "KernelConfig",
         "greedy_pick",
         "int8_linear",
+        "linear_greedy_pick",
         "move_back",
         "paged_attention",
         "ref_greedy_pick",
         "ref_int8_linear",
+        "ref_linear_greedy_pick",
         "ref_move_back",
         "ref_paged_attention",
         "ref_reshape_and_cache",

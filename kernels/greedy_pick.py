@@ -9,6 +9,15 @@ chain step where those three took ~14). Here one program reads its row in
 chunks of BLOCK and keeps the first index of the largest value, as torch.argmax does (rows without
 NaN; exact: values are compared in their own dtype, widened to fp32, which changes no order).
 The reference, `ref_greedy_pick`, is the torch ops it replaces.
+
+`linear_greedy_pick` does the same from the head's output and a float LM head (out[i] =
+vocab[argmax(hidden[i] @ weight.T)]) without the logits: torch's LM head product over one row of a
+small head (8,192 x 576 in bf16 on the default model) takes ~15 us on an H100, its library tiling
+spreading 9.4 MB over a few dozen thread blocks; here one program a block of BLOCK_N vocabulary rows
+(128 programs for 8,192) computes its logits, rounds them to the weights' dtype (what torch's product
+returns: the same order as the eager path's) and keeps its first largest, and `greedy_pick` picks the
+first of those per row (the partial's index read back through IDX), then looks it up.
+Its reference, `ref_linear_greedy_pick`, is the torch product and `ref_greedy_pick`.
 """
 from __future__ import annotations
 
@@ -20,8 +29,8 @@ BLOCK = 4096
 
 
 @triton.jit(do_not_specialize=["n"])
-def _greedy_pick_kernel(x_ptr, vocab_ptr, out_ptr, n, stride_x, stride_out,
-                        HAS_VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+def _greedy_pick_kernel(x_ptr, idx_ptr, vocab_ptr, out_ptr, n, stride_x, stride_out,
+                        HAS_IDX: tl.constexpr, HAS_VOCAB: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     best_val = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int64)
@@ -34,6 +43,8 @@ def _greedy_pick_kernel(x_ptr, vocab_ptr, out_ptr, n, stride_x, stride_out,
         better = m > best_val
         best_idx = tl.where(better, i, best_idx)
         best_val = tl.where(better, m, best_val)
+    if HAS_IDX:  # x holds partial maxima: the index is their partial argmax's
+        best_idx = tl.load(idx_ptr + row * stride_x + best_idx)
     if HAS_VOCAB:
         best_idx = tl.load(vocab_ptr + best_idx)
     tl.store(out_ptr + row * stride_out, best_idx)
@@ -47,8 +58,73 @@ def greedy_pick(logits: torch.Tensor, out: torch.Tensor, vocab: torch.Tensor | N
         raise ValueError(f"greedy_pick: logits [R, V] with unit stride along V and out int64 [R], got "
                          f"{tuple(logits.shape)} stride {logits.stride()} and {out.dtype} {tuple(out.shape)}")
     if rows:
-        _greedy_pick_kernel[(rows,)](logits, vocab if vocab is not None else out, out, n, logits.stride(0),
-                                     out.stride(0), HAS_VOCAB=vocab is not None, BLOCK=BLOCK, num_warps=8)
+        _launch_pick(logits, None, out, vocab)
+    return out
+
+
+def _launch_pick(x: torch.Tensor, idx: torch.Tensor | None, out: torch.Tensor, vocab: torch.Tensor | None) -> None:
+    rows, n = x.shape
+    _greedy_pick_kernel[(rows,)](x, idx if idx is not None else out, vocab if vocab is not None else out, out, n,
+                                 x.stride(0), out.stride(0), HAS_IDX=idx is not None, HAS_VOCAB=vocab is not None,
+                                 BLOCK=BLOCK, num_warps=8)
+
+
+@triton.jit(do_not_specialize=["rows", "n"])
+def _linear_max_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, rows, n, k, stride_h, stride_w, num_blocks,
+                       IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (b, p): rows p * BLOCK_R.. of hidden against weight rows b * BLOCK_N..: each row's
+    largest logit there and the first index holding it, at [row, b] of val / idx."""
+    pid_n = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+    for start in range(0, k, BLOCK_K):
+        kk = start + tl.arange(0, BLOCK_K)
+        a = tl.load(h_ptr + r[:, None].to(tl.int64) * stride_h + kk[None, :],
+                    mask=(r[:, None] < rows) & (kk[None, :] < k), other=0.0)
+        b = tl.load(w_ptr + c[:, None].to(tl.int64) * stride_w + kk[None, :],
+                    mask=(c[:, None] < n) & (kk[None, :] < k), other=0.0)
+        # in fp32: half-precision values are exact in TF32, so its products are theirs (and the
+        # interpreter's bf16 products are wrong); fp32 weights take fp32 products, as torch's (no TF32)
+        a, b = a.to(tl.float32), tl.trans(b.to(tl.float32))
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision="tf32")
+    v = acc.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded as torch's product rounds its output
+    v = tl.where(c[None, :] < n, v, float("-inf"))
+    m = tl.max(v, axis=1)
+    i = tl.min(tl.where(v == m[:, None], c[None, :], n), axis=1)
+    keep = r < rows
+    tl.store(val_ptr + r * num_blocks + pid_n, m, mask=keep)
+    tl.store(idx_ptr + r * num_blocks + pid_n, i.to(tl.int64), mask=keep)
+
+
+def linear_greedy_pick(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                       vocab: torch.Tensor | None = None, block_n: int = 64, block_k: int = 64,
+                       num_warps: int = 4) -> torch.Tensor:
+    """hidden [R, K], weight [V, K] (same float dtype, unit stride along K), out [R] int64 (any
+    stride), vocab [V] int64 or None -> out, holding vocab[argmax(hidden[i] @ weight.T)] (or the
+    argmax) with the logits rounded to the weights' dtype. Two launches, no logits in memory."""
+    rows, k = hidden.shape
+    n = weight.shape[0]
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+            or weight.shape[1] != k or hidden.stride(1) != 1 or weight.stride(1) != 1 \
+            or out.shape != (rows,) or out.dtype != torch.int64:
+        raise ValueError(f"linear_greedy_pick: hidden [R, K] and weight [V, K] of one float dtype with unit stride "
+                         f"along K, out int64 [R]; got {hidden.dtype} {tuple(hidden.shape)} stride {hidden.stride()}, "
+                         f"{weight.dtype} {tuple(weight.shape)} stride {weight.stride()}, "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if not rows:
+        return out
+    block_r = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    num_blocks = triton.cdiv(n, block_n)
+    val = torch.empty(rows, num_blocks, dtype=torch.float32, device=hidden.device)
+    idx = torch.empty(rows, num_blocks, dtype=torch.int64, device=hidden.device)
+    _linear_max_kernel[(num_blocks, triton.cdiv(rows, block_r))](
+        hidden, weight, val, idx, rows, n, k, hidden.stride(0), weight.stride(0), num_blocks,
+        IEEE=weight.dtype == torch.float32, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    _launch_pick(val, idx, out, vocab)
     return out
 
 
@@ -56,3 +132,8 @@ def ref_greedy_pick(logits: torch.Tensor, out: torch.Tensor, vocab: torch.Tensor
     picked = logits.argmax(dim=-1)
     out.copy_(vocab[picked] if vocab is not None else picked)
     return out
+
+
+def ref_linear_greedy_pick(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                           vocab: torch.Tensor | None = None) -> torch.Tensor:
+    return ref_greedy_pick(torch.nn.functional.linear(hidden, weight), out, vocab)

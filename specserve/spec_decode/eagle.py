@@ -455,12 +455,17 @@ class EagleProposer:
                                self.entries.block_size, ex.device, staging=ex.staging) if max_k > 1 else []
         tokens = torch.zeros(len(drafting), max_k, dtype=torch.long, device=ex.device)  # [P, K] target ids
         probs: list[list[torch.Tensor]] = [[] for _ in drafting]
+        # greedy on CUDA: the chain graphs' pick (ChainGraphs), so both chains draft alike
+        picked_on_device = out.is_cuda and all(slot.sched.request.sampling_params.greedy for slot in drafting)
         for j in range(max_k):
             n = len(drafting) if j == 0 else num_active[j - 1]
             if j > 0:  # entry at the newest token's position + j: (draft j, the head's previous output)
                 positions, meta = steps[j - 1]
                 out = ex.forward(tokens[:n, j - 1], positions, meta, hidden_states=out[:n])
-            tokens[:n, j] = self._sample(ex.compute_logits(out), drafting[:n], probs[:n])
+            if picked_on_device:
+                self.head.pick_greedy(out, tokens[:n, j])
+            else:
+                tokens[:n, j] = self._sample(ex.compute_logits(out), drafting[:n], probs[:n])
         if not reordered:
             return tokens, probs
         back = sorted(range(len(order)), key=order.__getitem__)  # the callers' order again

@@ -100,13 +100,11 @@ class ChainGraphs:
 
     def _chain(self, batch: int, k: int) -> None:
         """The captured work: k drafts for the first `batch` requests of the buffers."""
-        from specserve.kernels.greedy_pick import greedy_pick  # (Triton: CUDA only)
-
         head = self.head
         out = self.out0[:batch]
         tables = self.block_tables[:batch]
         tokens = self.tokens[:batch]
-        greedy_pick(head.draft_logits(out), tokens[:, 0], head.draft_vocab)
+        head.pick_greedy(out, tokens[:, 0])
         if k == 1:
             return
         positions, slots, seq_lens = chain_positions(
@@ -119,7 +117,7 @@ class ChainGraphs:
                 block_tables=tables, slot_mapping=slots[j - 1], query_lens_cpu=[1] * batch,
                 seq_lens_cpu=[1] * batch, block_size=self.block_size)
             out = head(tokens[:, j - 1], positions[j - 1], self.kv_caches, meta, hidden_states=out)
-            greedy_pick(head.draft_logits(out), tokens[:, j], head.draft_vocab)  # one launch: argmax, lookup, write
+            head.pick_greedy(out, tokens[:, j])  # LM head, argmax, lookup and write: two launches
 
 
 def chain_positions(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor, block_size: int,

@@ -191,6 +191,16 @@ class EagleHead(nn.Module):
             return self._lm_head_layer(hidden)
         return nn.functional.linear(hidden, self._lm_head)
 
+    def pick_greedy(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """CUDA: each row's greedy draft (a target id) written into out [N] int64 (a column of the
+        drafts), from g [N, h]: with float LM head rows in one product-and-pick (no logits in memory,
+        kernels/greedy_pick.py), else the layer's logits and one pick."""
+        from specserve.kernels.greedy_pick import greedy_pick, linear_greedy_pick  # (Triton: CUDA only)
+
+        if self._lm_head_layer is None and self._lm_head is not None and self._lm_head.dtype == hidden.dtype:
+            return linear_greedy_pick(hidden, self._lm_head, out, self.draft_vocab)
+        return greedy_pick(self.draft_logits(hidden), out, self.draft_vocab)
+
     def use_packed_linears(self, pack: Callable[[torch.Tensor], nn.Module | None]) -> int:
         """The draft LM head's rows run packed (models/layers/cpu_linear.py); the tensor stays for training."""
         if self._lm_head is None:  # an int8 head's rows are in its own layer (use_int8_weights)

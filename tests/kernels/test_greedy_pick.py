@@ -1,12 +1,13 @@
 """greedy_pick (Triton, one launch) against torch's argmax and the draft vocabulary's lookup: the
 first index of each row's largest value, over rows shorter and longer than a chunk, ties across and
-within chunks, written into a column of a larger tensor."""
+within chunks, written into a column of a larger tensor; linear_greedy_pick (the LM head's product
+and the pick, no logits in memory) against torch's product and argmax."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specserve.kernels import greedy_pick, ref_greedy_pick
+from specserve.kernels import greedy_pick, linear_greedy_pick, ref_greedy_pick, ref_linear_greedy_pick
 from specserve.kernels.greedy_pick import BLOCK
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,3 +39,69 @@ def test_greedy_pick_refuses_bad_shapes():
         greedy_pick(torch.zeros(4, 8, device=DEVICE).t(), torch.zeros(8, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError):
         greedy_pick(torch.zeros(4, 8, device=DEVICE), torch.zeros(4, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("n", [64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_greedy_pick_is_the_products_argmax(rows, n, dtype):
+    """Weights and hidden states on a grid of 1/8 (every sum exact in fp32; the bf16 logits then
+    round alike however they are summed): many ties within and across the kernel's vocabulary blocks,
+    the first wins; vocabularies not a multiple of a block; batches over one and several row blocks."""
+    gen = torch.Generator().manual_seed(rows * n)
+    k = 72  # not a multiple of the kernel's K block
+    hidden = (torch.randint(-8, 9, (rows, k), generator=gen) / 8).to(dtype)
+    weight = (torch.randint(-3, 4, (n, k), generator=gen) / 8).to(dtype)
+    weight[n - 1] = weight[2]  # a tie across blocks (n > 64): the first
+    hidden[0] = 0  # every logit 0: index 0
+    hidden, weight = hidden.to(DEVICE), weight.to(DEVICE)
+    vocab = torch.randperm(2 * n, generator=gen)[:n].to(DEVICE)
+    for v in (vocab, None):
+        drafts = torch.full((rows, 3), -7, dtype=torch.long, device=DEVICE)
+        expected = drafts.clone()
+        ref_linear_greedy_pick(hidden, weight, expected[:, 2], v)
+        linear_greedy_pick(hidden, weight, drafts[:, 2], v)
+        assert torch.equal(drafts, expected)
+        assert int(drafts[0, 2]) == (int(vocab[0]) if v is not None else 0)
+
+
+def test_linear_greedy_pick_on_random_weights_picks_a_largest_logit():
+    """Random fp32 values (sums rounded in any order): the picked row's logit is the largest, to
+    the last bits of fp32, and almost every pick is torch's."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(24, 96, generator=gen).to(DEVICE), torch.randn(1000, 96, generator=gen).to(DEVICE)
+    picked = linear_greedy_pick(hidden, weight, torch.empty(24, dtype=torch.long, device=DEVICE))
+    logits = hidden @ weight.T
+    assert torch.allclose(logits.gather(1, picked[:, None]).squeeze(1), logits.max(dim=1).values, rtol=1e-5, atol=1e-5)
+    assert (picked == logits.argmax(dim=1)).sum() >= 23
+
+
+def test_linear_greedy_pick_refuses_bad_shapes():
+    h, w, out = torch.zeros(4, 8, device=DEVICE), torch.zeros(16, 8, device=DEVICE), torch.zeros(4, dtype=torch.long,
+                                                                                                  device=DEVICE)
+    with pytest.raises(ValueError, match="one float dtype"):
+        linear_greedy_pick(h, w.to(torch.bfloat16), out)
+    with pytest.raises(ValueError):
+        linear_greedy_pick(h, torch.zeros(16, 9, device=DEVICE), out)
+    with pytest.raises(ValueError):
+        linear_greedy_pick(h, w.t().contiguous().t(), out)
+    with pytest.raises(ValueError):
+        linear_greedy_pick(h, w, out[:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shipped_heads_greedy_pick_is_its_logits_argmax(dtype):
+    """`EagleHead.pick_greedy` (the chains' pick on CUDA) on the shipped head's shape (8,192 draft
+    rows of 576): its float LM head through the product-and-pick, its logits' argmax looked up."""
+    from specserve.spec_decode.eagle_head import HEADS_DIR, load_head
+
+    head = load_head(HEADS_DIR / "SmolLM2-135M-Instruct", dtype=dtype, device=DEVICE, max_positions=64)
+    gen = torch.Generator().manual_seed(1)
+    vocab, h = head.cfg.vocab_size, head.cfg.hidden_size
+    head.attach(torch.randn(vocab, h, generator=gen).to(dtype).to(DEVICE),
+                (torch.randint(-4, 5, (vocab, h), generator=gen) / 16).to(dtype).to(DEVICE))
+    g = (torch.randint(-4, 5, (3, h), generator=gen) / 16).to(dtype).to(DEVICE)  # exact sums: no rounding ties
+    drafts = torch.zeros(3, 2, dtype=torch.long, device=DEVICE)
+    head.pick_greedy(g, drafts[:, 1])
+    assert torch.equal(drafts[:, 1], head.draft_vocab[head.compute_logits(g).argmax(dim=1)])
+    assert not drafts[:, 0].any()
