@@ -193,11 +193,12 @@ class EagleHead(nn.Module):
 
     def pick_greedy(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """CUDA: each row's greedy draft (a target id) written into out [N] int64 (a column of the
-        drafts), from g [N, h]: with float LM head rows in one product-and-pick (no logits in memory,
-        kernels/greedy_pick.py), else the layer's logits and one pick."""
-        from specserve.kernels.greedy_pick import greedy_pick, linear_greedy_pick  # (Triton: CUDA only)
+        drafts), from g [N, h]: with float LM head rows and a few rows in one product-and-pick (no
+        logits in memory, kernels/greedy_pick.py), else the layer's logits and one pick."""
+        from specserve.kernels.greedy_pick import MAX_FUSED_ROWS, greedy_pick, linear_greedy_pick  # (CUDA only)
 
-        if self._lm_head_layer is None and self._lm_head is not None and self._lm_head.dtype == hidden.dtype:
+        if self._lm_head_layer is None and self._lm_head is not None and self._lm_head.dtype == hidden.dtype \
+                and hidden.shape[0] <= MAX_FUSED_ROWS:
             return linear_greedy_pick(hidden, self._lm_head, out, self.draft_vocab)
         return greedy_pick(self.draft_logits(hidden), out, self.draft_vocab)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specserve.kernels import greedy_pick, linear_greedy_pick, ref_greedy_pick, ref_linear_greedy_pick
-from specserve.kernels.greedy_pick import BLOCK
+from specserve.kernels.greedy_pick import BLOCK, MAX_FUSED_ROWS
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -89,10 +89,12 @@ def test_linear_greedy_pick_refuses_bad_shapes():
         linear_greedy_pick(h, w, out[:3])
 
 
+@pytest.mark.parametrize("rows", [3, MAX_FUSED_ROWS + 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_shipped_heads_greedy_pick_is_its_logits_argmax(dtype):
+def test_the_shipped_heads_greedy_pick_is_its_logits_argmax(dtype, rows):
     """`EagleHead.pick_greedy` (the chains' pick on CUDA) on the shipped head's shape (8,192 draft
-    rows of 576): its float LM head through the product-and-pick, its logits' argmax looked up."""
+    rows of 576): its logits' argmax looked up, through the product-and-pick over a few rows and
+    through torch's product over more."""
     from specserve.spec_decode.eagle_head import HEADS_DIR, load_head
 
     head = load_head(HEADS_DIR / "SmolLM2-135M-Instruct", dtype=dtype, device=DEVICE, max_positions=64)
@@ -100,8 +102,8 @@ def test_the_shipped_heads_greedy_pick_is_its_logits_argmax(dtype):
     vocab, h = head.cfg.vocab_size, head.cfg.hidden_size
     head.attach(torch.randn(vocab, h, generator=gen).to(dtype).to(DEVICE),
                 (torch.randint(-4, 5, (vocab, h), generator=gen) / 16).to(dtype).to(DEVICE))
-    g = (torch.randint(-4, 5, (3, h), generator=gen) / 16).to(dtype).to(DEVICE)  # exact sums: no rounding ties
-    drafts = torch.zeros(3, 2, dtype=torch.long, device=DEVICE)
+    g = (torch.randint(-4, 5, (rows, h), generator=gen) / 16).to(dtype).to(DEVICE)  # exact sums: no rounding ties
+    drafts = torch.zeros(rows, 2, dtype=torch.long, device=DEVICE)
     head.pick_greedy(g, drafts[:, 1])
     assert torch.equal(drafts[:, 1], head.draft_vocab[head.compute_logits(g).argmax(dim=1)])
     assert not drafts[:, 0].any()
