@@ -1,6 +1,6 @@
-"""greedy_pick (Triton, one launch) against torch's argmax and the draft vocabulary's lookup: the
-first index of each row's largest value, over rows shorter and longer than a chunk, ties across and
-within chunks, written into a column of a larger tensor; linear_greedy_pick (the LM head's product
+"""greedy_pick (Triton) against torch's argmax and the draft vocabulary's lookup: the first index
+of each row's largest value, over rows shorter and longer than a chunk, and long enough to be split
+over programs, ties across and within chunks, written into a column of a larger tensor; linear_greedy_pick (the LM head's product
 and the pick, no logits in memory) against torch's product and argmax."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from specserve.kernels.greedy_pick import BLOCK, MAX_FUSED_ROWS
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize("n", [100, BLOCK, 2 * BLOCK + 77])
+@pytest.mark.parametrize("n", [100, BLOCK, 2 * BLOCK, 2 * BLOCK + 77, 6 * BLOCK + 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_vocab", [True, False])
 def test_greedy_pick_is_torchs_argmax_and_lookup(n, dtype, with_vocab):
