@@ -1,7 +1,8 @@
 """greedy_pick (Triton) against torch's argmax and the draft vocabulary's lookup: the first index
 of each row's largest value, over rows shorter and longer than a chunk, and long enough to be split
-over programs, ties across and within chunks, written into a column of a larger tensor; linear_greedy_pick (the LM head's product
-and the pick, no logits in memory) against torch's product and argmax."""
+over programs, ties across and within chunks, written into a column of a larger tensor;
+linear_greedy_pick (the LM head's product and the pick, no logits in memory) against torch's product
+and argmax."""
 from __future__ import annotations
 
 import pytest
