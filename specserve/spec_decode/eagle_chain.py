@@ -11,9 +11,11 @@ a few buffer copies and one launch, and the host waits only for the drafts it re
 computed for all steps at once (`chain_positions`: ~16 small kernels at any k, where one step's
 took ~12), and each step's draft is picked by one kernel (`kernels/greedy_pick.py`: the argmax of the
 draft logits in their own dtype, the draft vocabulary's lookup and the write, which took four with
-the logits' fp32 cast): at one request the chain is tiny kernels that the device runs back to back
-(at k = 4 on the default model's shape, on an H100: 80 in 0.240 ms, 113 before these), so each one
-left out is time off a drafting step.
+the logits' fp32 cast), over a few requests with a float LM head straight from the head's output
+(`EagleHead.pick_greedy`: no logits, the pick over one partial maximum a block of 32 rows): at one
+request the chain is tiny kernels that the device runs back to back (at k = 4 on the default model's
+shape, on an H100: 77 in 0.225 ms, 0.248 ms with the logits; 113 kernels before `chain_positions`
+and `greedy_pick`), so each one left out, or shortened, is time off a drafting step.
 
 A request with fewer drafts than the graph's k (adaptive k differs per request) repeats its last
 chain position for the remaining steps without writing KV (slot PAD_SLOT_ID; reading its own valid
