@@ -218,14 +218,14 @@ class ModelRunner:
         device: the next step's inputs take them there (`_fill_drafts`), and their host copy arrives
         meanwhile. Until it is read, the drafts the scheduler holds are placeholders
         (DRAFT_PLACEHOLDER) of the right number."""
-        from specserve.kernels.greedy_pick import greedy_pick  # (Triton: drafting on the device is CUDA's)
-
         logits = self.target.compute_logits(inputs.at_logits_rows(hidden))
         rows = inputs.logits_rows
         # the argmax of every row, then each request's accepted count, in one tensor: one copy to the host
         num_logits = logits.shape[0]
         verdict = torch.empty(num_logits + len(rows), dtype=torch.long, device=self.device)
-        argmax = greedy_pick(logits, verdict[:num_logits])  # torch's argmax, split over more programs
+        # torch's argmax, not greedy_pick's split: that saved ~12 us of device work on the default model
+        # and its two eager Triton launches cost ~80 us of host work a drafting step (H100, BENCHMARKS.md)
+        argmax = torch.argmax(logits, dim=-1, out=verdict[:num_logits])
         n = self.rejection_sampler.greedy_on_device(argmax, inputs.at_logits_rows(inputs.input_ids),
                                                     [c for _, _, c in rows], self.staging, out=verdict[num_logits:])
         verified, event = self._to_host([verdict])
