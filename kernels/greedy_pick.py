@@ -37,6 +37,13 @@ SPLIT_ABOVE, SPLIT_BLOCK = 2 * BLOCK, 2048  # a draft vocabulary's 8,192 stay on
 MAX_FUSED_ROWS = 16
 
 
+@triton.jit
+def _first_max(v, offs, n):
+    """The largest of the chunk v (fp32) and the first of its indices offs holding it (n: none)."""
+    m = tl.max(v, axis=0)
+    return m, tl.min(tl.where(v == m, offs, n), axis=0).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["n"])
 def _greedy_pick_kernel(x_ptr, idx_ptr, vocab_ptr, out_ptr, n, stride_x, stride_out,
                         HAS_IDX: tl.constexpr, HAS_VOCAB: tl.constexpr, BLOCK: tl.constexpr):
@@ -46,10 +53,8 @@ def _greedy_pick_kernel(x_ptr, idx_ptr, vocab_ptr, out_ptr, n, stride_x, stride_
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + row * stride_x + offs, mask=offs < n, other=float("-inf")).to(tl.float32)
-        m = tl.max(v, axis=0)
-        # the first index of the chunk's largest value (a later chunk wins only with a larger one)
-        i = tl.min(tl.where(v == m, offs, n), axis=0).to(tl.int64)
-        better = m > best_val
+        m, i = _first_max(v, offs, n)
+        better = m > best_val  # a later chunk wins only with a larger value: the first index stays
         best_idx = tl.where(better, i, best_idx)
         best_val = tl.where(better, m, best_val)
     if HAS_IDX:  # x holds partial maxima: the index is their partial argmax's
@@ -66,9 +71,9 @@ def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, n, stride_x, num_chunks, BLOCK: t
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + row * stride_x + offs, mask=offs < n, other=float("-inf")).to(tl.float32)
-    m = tl.max(v, axis=0)
+    m, i = _first_max(v, offs, n)
     tl.store(val_ptr + row * num_chunks + chunk, m)
-    tl.store(idx_ptr + row * num_chunks + chunk, tl.min(tl.where(v == m, offs, n), axis=0).to(tl.int64))
+    tl.store(idx_ptr + row * num_chunks + chunk, i)
 
 
 def greedy_pick(logits: torch.Tensor, out: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,14 +88,19 @@ def greedy_pick(logits: torch.Tensor, out: torch.Tensor, vocab: torch.Tensor | N
                          f"{tuple(logits.shape)} stride {logits.stride()} and {out.dtype} {tuple(out.shape)}")
     if rows and n > SPLIT_ABOVE:
         num_chunks = triton.cdiv(n, SPLIT_BLOCK)
-        val = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
-        idx = torch.empty(rows, num_chunks, dtype=torch.int64, device=logits.device)
+        val, idx = _partials(rows, num_chunks, logits.device)
         _chunk_max_kernel[(rows, num_chunks)](logits, val, idx, n, logits.stride(0), num_chunks, BLOCK=SPLIT_BLOCK,
                                               num_warps=4)
         _launch_pick(val, idx, out, vocab)
     elif rows:
         _launch_pick(logits, None, out, vocab)
     return out
+
+
+def _partials(rows: int, num: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for each row's partial maxima [rows, num] fp32 and their first indices [rows, num] int64."""
+    return (torch.empty(rows, num, dtype=torch.float32, device=device),
+            torch.empty(rows, num, dtype=torch.int64, device=device))
 
 
 def _launch_pick(x: torch.Tensor, idx: torch.Tensor | None, out: torch.Tensor, vocab: torch.Tensor | None) -> None:
@@ -150,8 +160,7 @@ def linear_greedy_pick(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
         return out
     block_r = 16 if rows <= 16 else 32 if rows <= 32 else 64
     num_blocks = triton.cdiv(n, block_n)
-    val = torch.empty(rows, num_blocks, dtype=torch.float32, device=hidden.device)
-    idx = torch.empty(rows, num_blocks, dtype=torch.int64, device=hidden.device)
+    val, idx = _partials(rows, num_blocks, hidden.device)
     _linear_max_kernel[(num_blocks, triton.cdiv(rows, block_r))](
         hidden, weight, val, idx, rows, n, k, hidden.stride(0), weight.stride(0), num_blocks,
         IEEE=weight.dtype == torch.float32, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
