@@ -50,7 +50,9 @@ class ParallelExecutor(ModelExecutor):
             super().copy_blocks(copies)
 
     def capture_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...],
-                       max_prefill_tokens: int = 0) -> None:
+                       max_prefill_tokens: int = 0, verdicts: bool = False) -> None:
+        # no verdict graphs: the LM head's logits are gathered over the ranks outside the forward
+        # (`compute_logits`), so rank 0's graphs hold the forward alone, as the workers' do
         with self.workers.guard():
             self.workers.call(("capture", max_model_len, max_num_seqs, tuple(query_lens), max_prefill_tokens))
             super().capture_graphs(max_model_len, max_num_seqs, query_lens, max_prefill_tokens)

@@ -140,12 +140,16 @@ def _build_parts(config: EngineConfig, device: torch.device, model_name: str, mo
         # tokens each, computed 2.5x the tokens and cost ~2 plain steps on an H200 at 8B shapes against
         # ~1.4 from its own graph); a draft model's forwards are what its proposer says; and every
         # executor's short prefill steps (a prompt, an admission, a head's catch-up over them) up to a
-        # chunk's tokens (a drafter's up to more tokens than the target's: `prefill_graph_tokens`)
+        # chunk's tokens (a drafter's up to more tokens than the target's: `prefill_graph_tokens`). A target
+        # whose drafts are verified on the device also replays its verification's LM head, argmax and
+        # accepted counts (the verdict graphs)
+        verdicts = getattr(proposer, "drafts_on_device", False)
         for executor in executors:
             drafter = executor is not executors[0]
             lens = proposer.draft_query_lens if drafter else query_lens_up_to(1 + k)
             executor.capture_graphs(max_len, sc.max_num_seqs, lens,
-                                    prefill_graph_tokens(min(sc.max_num_batched_tokens, max_len), drafter))
+                                    prefill_graph_tokens(min(sc.max_num_batched_tokens, max_len), drafter),
+                                    verdicts=verdicts and not drafter)
         if proposer is not None:
             proposer.capture_graphs(max_len, sc.max_num_seqs)
     logger.info("KV cache: %d blocks x %d tokens (%s), max_model_len %d, attention %s", num_blocks,

@@ -12,6 +12,10 @@ Two kinds of graph, each keyed by (padded number of requests, padded number of t
   kernels from Python: on an H200, ~11 ms of host time for the default model's 30 layers against
   well under 1 ms on the device, most of a prompt's time to first token at one request, and the
   admission steps that speculation's staggered request ends multiply.
+A verification graph (Q > 1) may also have a verdict variant (`verdicts`): the same forward, then the
+target's LM head over every row, its argmax, and each request's accepted drafts (greedy), replayed for a
+step whose requests all verify Q - 1 drafts on the device. Those launches (~0.2 ms of host time a step on
+an H100's host, eager) then cost none: at one request the host sets a drafting step's pace.
 At run time the real tokens fill the front of the buffers (ragged: `query_start_loc` is copied in).
 The attention kernels take their grid from python ints only (`max_seq_len` only picks how far the
 KV range is split), so a graph replays correctly for any contexts and for queries its `max_query_len`
@@ -44,6 +48,10 @@ PREFILL_LENS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536
 # prompts kept an admission of 4 prompts beside 64 drafting requests at 34.3 ms, against 19.6-21.7 ms
 # replayed (same card and shapes, the same bench)
 TARGET_PREFILL_TOKENS, DRAFTER_PREFILL_TOKENS = 512, 2048
+# the most bytes of fp32 logits a verdict graph computes (its rows x the vocabulary): they stay in the
+# graphs' memory pool. The default model's vocabulary fits 64 requests verifying 4 drafts; an 8B
+# model's (128k) 24: past that a step's device work outweighs the host work a verdict graph saves
+VERDICT_LOGITS_BYTES = 64 << 20
 
 
 def prefill_graph_tokens(chunk_tokens: int, drafter: bool) -> int:
@@ -73,11 +81,13 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
 class StepGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], device: torch.device, block_size: int,
                  max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...] = (1,),
-                 max_prefill_tokens: int = 0, plain_decode: bool = False) -> None:
+                 max_prefill_tokens: int = 0, plain_decode: bool = False, verdicts: bool = False) -> None:
         """query_lens: Q of the decode graphs, captured for every batch size; max_prefill_tokens: the
         most tokens (of `PREFILL_LENS`, up to it) of a prefill graph (0: none); plain_decode: for a
         target that computes an EAGLE head's fused feature (`aux_features`), also capture each
-        one-token decode graph without it (`run(..., aux=False)`: the final hidden states alone)."""
+        one-token decode graph without it (`run(..., aux=False)`: the final hidden states alone);
+        verdicts: also capture the verdict variant of each verification graph (Q > 1) whose logits
+        take at most `VERDICT_LOGITS_BYTES` (`run_verdict`)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -116,6 +126,11 @@ class StepGraphs:
         self.plain_keys = [k for k in self.keys if k[2] == 1] if plain_decode and fuses else []
         self.plain_graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.plain_outputs: dict[tuple[int, int, int], torch.Tensor] = {}
+        # the verdict variants of verification graphs (hidden states and verdict), same buffers and pool
+        self.verdict_keys = [k for k in self.keys if 1 < k[2] and k[2] not in self.prefill_lens
+                             and k[1] * model.cfg.vocab_size * 4 <= VERDICT_LOGITS_BYTES] if verdicts else []
+        self.verdict_graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.verdict_outputs: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _meta(self, key: tuple[int, int, int]) -> AttentionMetadata:
         batch, tokens, q = key
@@ -135,8 +150,11 @@ class StepGraphs:
     def capture(self) -> None:
         t0 = time.perf_counter()
         pool = None
-        variants = [(key, True) for key in self.keys] + [(key, False) for key in self.plain_keys]
-        for key, aux in sorted(variants, key=lambda v: -v[0][1]):  # largest first: the rest reuse its pool
+        variants = [(key, "aux") for key in self.keys] + [(key, "plain") for key in self.plain_keys] + \
+                   [(key, "verdict") for key in self.verdict_keys]
+        captured = {"aux": (self.graphs, self.outputs), "plain": (self.plain_graphs, self.plain_outputs),
+                    "verdict": (self.verdict_graphs, self.verdict_outputs)}
+        for key, variant in sorted(variants, key=lambda v: -v[0][1]):  # largest first: the rest reuse its pool
             batch, tokens, q = key
             # a valid batch for the warm-up forward: a decode graph's requests one token each, a
             # prefill graph's first request all of them
@@ -149,21 +167,39 @@ class StepGraphs:
             meta = self._meta(key)
             args = (self.input_ids[:tokens], self.positions[:tokens], self.kv_caches, meta)
             inputs = {name: buf[:tokens] for name, buf in self.inputs.items()}
-            if not aux:
+            if variant == "plain":
                 inputs["aux"] = False
-            self.model(*args, **inputs)  # warm-up: compile kernels, settle allocations
+            forward = self._verdict_forward if variant == "verdict" else self.model
+            forward(*args, **inputs)  # warm-up: compile kernels, settle allocations
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                output = self.model(*args, **inputs)
+                output = forward(*args, **inputs)
             pool = graph.pool()
-            (self.graphs if aux else self.plain_graphs)[key] = graph
-            (self.outputs if aux else self.plain_outputs)[key] = output
+            graphs, outputs = captured[variant]
+            graphs[key], outputs[key] = graph, output
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch %d..%d, query lengths %s; prefills of up to %d tokens%s) in %.1fs",
-                    len(self.graphs) + len(self.plain_graphs), self.sizes[0], self.sizes[-1], self.query_lens,
+        logger.info("captured %d CUDA graphs (batch %d..%d, query lengths %s; prefills of up to %d tokens%s%s) "
+                    "in %.1fs", len(variants), self.sizes[0], self.sizes[-1], self.query_lens,
                     self.prefill_lens[-1] if self.prefill_lens else 0,
-                    "; decode also without aux layers" if self.plain_graphs else "", time.perf_counter() - t0)
+                    "; decode also without aux layers" if self.plain_graphs else "",
+                    f"; {len(self.verdict_graphs)} verifications with their verdict" if self.verdict_graphs else "",
+                    time.perf_counter() - t0)
+
+    def _verdict_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                         meta: AttentionMetadata, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verdict graph's work: the forward, then the argmax of every row's logits and each request's
+        accepted drafts, in one tensor (`Verdict.flat`). Its requests' rows are consecutive, Q each
+        (a padding request's one row and the padding tokens after it make the rows past the real
+        requests' garbage, never read)."""
+        from specserve.spec_decode.rejection import accepted_in_rows
+
+        batch, tokens, q = meta.num_reqs, meta.num_tokens, meta.max_query_len
+        hidden = self.model(input_ids, positions, kv_caches, meta, **inputs)
+        flat = torch.empty(tokens + batch, dtype=torch.long, device=hidden.device)
+        argmax = torch.argmax(self.model.compute_logits(hidden), dim=-1, out=flat[:tokens])
+        accepted_in_rows(argmax, input_ids, batch, q, out=flat[tokens:])
+        return hidden, flat
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return self.holds(meta.num_reqs, meta.max_query_len, meta.num_tokens)
@@ -244,6 +280,31 @@ class StepGraphs:
         """Replay the graph `key` (the step's `key(...)`; aux=False: its plain variant where one was
         captured); returns hidden [num_tokens, H]. A step that `stage` wrote into the buffers copies
         in only its inputs that are not there yet."""
+        self._stage_inputs(input_ids, positions, meta, key, inputs)
+        plain = not aux and key in self.plain_graphs
+        (self.plain_graphs if plain else self.graphs)[key].replay()
+        return (self.plain_outputs if plain else self.outputs)[key][:meta.num_tokens]
+
+    def has_verdict(self, meta: AttentionMetadata, key: tuple[int, int, int]) -> bool:
+        """Does a verdict graph hold the step (`key` its `key(...)`): a verification graph with its
+        verdict whose query length is the step's, every request computing that many tokens?"""
+        return key in self.verdict_graphs and key[2] == meta.max_query_len and \
+            meta.num_tokens == meta.num_reqs * key[2]
+
+    def run_verdict(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    key: tuple[int, int, int], **inputs: torch.Tensor) -> tuple[torch.Tensor, Verdict]:
+        """`run` for a step that `has_verdict`, replaying the verdict variant: hidden [num_tokens, H]
+        and the step's `Verdict` (valid until the graph's next replay, which the device runs in order)."""
+        self._stage_inputs(input_ids, positions, meta, key, inputs)
+        self.verdict_graphs[key].replay()
+        hidden, flat = self.verdict_outputs[key]
+        tokens = key[1]
+        return hidden[:meta.num_tokens], Verdict(flat, flat[:meta.num_tokens], flat[tokens:tokens + meta.num_reqs],
+                                                 tokens)
+
+    def _stage_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      key: tuple[int, int, int], inputs: dict[str, torch.Tensor]) -> None:
+        """Copy into the graphs' buffers the step's inputs that `stage` did not write there."""
         num_tokens = meta.num_tokens
         for name, value in inputs.items():
             if value.data_ptr() != self.inputs[name].data_ptr():  # (else written there already)
@@ -252,9 +313,6 @@ class StepGraphs:
             self.input_ids[:num_tokens].copy_(input_ids)
         if meta.extra.get("staged") != key:
             self._fill(positions, meta, key)
-        plain = not aux and key in self.plain_graphs
-        (self.plain_graphs if plain else self.graphs)[key].replay()
-        return (self.plain_outputs if plain else self.outputs)[key][:num_tokens]
 
     def _fill(self, positions: torch.Tensor, meta: AttentionMetadata, key: tuple[int, int, int]) -> None:
         """The step's metadata (device tensors) into the graphs' buffers, and the padding's."""
@@ -274,6 +332,18 @@ class StepGraphs:
             self.seq_lens[n:batch].fill_(1)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_tables[:n, :width].copy_(meta.block_tables)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A verdict graph's outputs for the step just replayed, on the device: views of one tensor
+    (`flat`: the argmax of each of the graph's rows, then each of its requests' accepted count,
+    padding's included: one copy to the host takes both)."""
+
+    flat: torch.Tensor
+    argmax: torch.Tensor  # [num_tokens] the target's argmax of each of the step's rows
+    accepted: torch.Tensor  # [num_reqs] each request's accepted drafts
+    accepted_at: int  # where `accepted` starts in `flat`
 
 
 @dataclass(frozen=True)

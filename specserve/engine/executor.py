@@ -15,11 +15,16 @@ the KV on copy-on-write.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specserve.engine.step_inputs import HostStaging, batch_metadata
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from specserve.engine.cuda_graphs import Verdict
 
 
 class ExecutorDeadError(RuntimeError):
@@ -56,13 +61,15 @@ class ModelExecutor:
         return (model.cfg.kv_bytes_per_token(size) + state_width * size) * block_size
 
     def capture_graphs(self, max_model_len: int, max_num_seqs: int, query_lens: tuple[int, ...],
-                       max_prefill_tokens: int = 0) -> None:
+                       max_prefill_tokens: int = 0, verdicts: bool = False) -> None:
         """CUDA graphs for steps whose requests compute at most max(query_lens) tokens each, and for
-        steps of up to `max_prefill_tokens` tokens in all (engine/cuda_graphs.py)."""
+        steps of up to `max_prefill_tokens` tokens in all (engine/cuda_graphs.py); `verdicts`: also the
+        verification graphs' verdict variants (`forward_verifying`), for a target whose drafts are
+        verified on the device."""
         from specserve.engine.cuda_graphs import StepGraphs
 
         self.graphs = StepGraphs(self.model, self.kv_caches, self.device, self.block_size, max_model_len,
-                                 max_num_seqs, query_lens, max_prefill_tokens, self.plain_decode_graphs)
+                                 max_num_seqs, query_lens, max_prefill_tokens, self.plain_decode_graphs, verdicts)
         self.graphs.capture()
 
     def decode_replay_seconds(self) -> float | None:
@@ -92,6 +99,18 @@ class ModelExecutor:
         if not aux and getattr(self.model, "aux_layers", ()):  # (other models have no aux outputs)
             inputs["aux"] = False
         return self.model(input_ids, positions, self.kv_caches, meta, **inputs)
+
+    def forward_verifying(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                          aux: bool = True) -> tuple[torch.Tensor, Verdict | None]:
+        """`forward` for a step whose requests each verify drafts on the device, every one of its
+        tokens a logits row. Where a verdict graph holds it (every request verifying as many drafts,
+        `StepGraphs.has_verdict`), the same replay also gives the target's argmax of each row and
+        each request's accepted drafts (greedy); else the forward alone and None."""
+        graphs = self.graphs
+        key = graphs.key(meta.num_reqs, meta.max_query_len, meta.num_tokens) if graphs is not None else None
+        if key is None or not graphs.has_verdict(meta, key):
+            return self.forward(input_ids, positions, meta, aux=aux), None
+        return graphs.run_verdict(input_ids, positions, meta, key)
 
     def forward_tokens(self, input_ids: list[int] | torch.Tensor, query_lens: list[int], seq_lens: list[int],
                        tables: list[list[int]], **inputs: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from specserve.spec_decode.proposer import DeviceStep, DraftStep
 from specserve.spec_decode.rejection import plain_greedy
 
 if TYPE_CHECKING:
+    from specserve.engine.cuda_graphs import Verdict
     from specserve.spec_decode.proposer import Proposer
     from specserve.spec_decode.rejection import RejectionSampler
 
@@ -52,6 +53,7 @@ class _Verifying:
     drafts: tuple | None  # the drafts' host copy and its event
     argmax: torch.Tensor  # [num_logits] int64, device: the target's argmax of every logits row
     accepted: torch.Tensor  # [len(rows)] int64, device: each request's accepted drafts
+    accepted_at: int  # where the accepted counts start in the host copy (`verified`)
 
 
 class ModelRunner:
@@ -124,14 +126,18 @@ class ModelRunner:
             ahead.move_back(inputs.positions, inputs.meta, ahead.rows)
         # the aux outputs (an EAGLE head's feature) only where they may be read
         aux = self.proposer is None or self.proposer.needs_aux(sched, defer)
-        hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.meta, aux=aux)
+        verdict = None
+        if on_device and not defer and inputs.logits_rows and len(inputs.logits_indices) == len(inputs.input_ids):
+            hidden, verdict = self.target.forward_verifying(inputs.input_ids, inputs.positions, inputs.meta, aux=aux)
+        else:
+            hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.meta, aux=aux)
         if defer and inputs.logits_rows:
             step.pending = self._sample_deferred(inputs, hidden)
             if self.proposer is not None:  # idle this step: it only keeps its books (or its KV)
                 self.proposer.skip(sched, hidden, step.pending, inputs.meta.slot_mapping)
             return step
         if inputs.logits_rows and on_device:
-            step.verifying = self._verify_and_draft(sched, inputs, hidden, out, ahead)
+            step.verifying = self._verify_and_draft(sched, inputs, hidden, out, ahead, verdict)
             return step
         if inputs.logits_rows:
             self._sample(inputs, hidden, out)
@@ -207,7 +213,8 @@ class ModelRunner:
         self._unsettled, self._drafts = self._drafts, None
 
     def _verify_and_draft(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
-                          out: ModelRunnerOutput, ahead: StepAhead | None = None) -> _Verifying:
+                          out: ModelRunnerOutput, ahead: StepAhead | None = None,
+                          verdict: Verdict | None = None) -> _Verifying:
         """Verification and the next drafts, queued with nothing waited for: the target's argmax of
         every row and the accepted prefixes (on the device) start on their way to the host, and the
         proposer's catch-up and chain are queued behind them. The host half (`_verified`, from
@@ -217,22 +224,30 @@ class ModelRunner:
         to the user (engine.py: `_step`), so that work overlaps the device's. The drafts stay on the
         device: the next step's inputs take them there (`_fill_drafts`), and their host copy arrives
         meanwhile. Until it is read, the drafts the scheduler holds are placeholders
-        (DRAFT_PLACEHOLDER) of the right number."""
-        logits = self.target.compute_logits(inputs.at_logits_rows(hidden))
+        (DRAFT_PLACEHOLDER) of the right number. `verdict`: the argmax and accepted counts where the
+        forward's graph computed them (`ModelExecutor.forward_verifying`)."""
         rows = inputs.logits_rows
-        # the argmax of every row, then each request's accepted count, in one tensor: one copy to the host
-        num_logits = logits.shape[0]
-        verdict = torch.empty(num_logits + len(rows), dtype=torch.long, device=self.device)
-        # torch's argmax, not greedy_pick's split: that saved ~12 us of device work on the default model
-        # and its two eager Triton launches cost ~80 us of host work a drafting step (H100, BENCHMARKS.md)
-        argmax = torch.argmax(logits, dim=-1, out=verdict[:num_logits])
-        n = self.rejection_sampler.greedy_on_device(argmax, inputs.at_logits_rows(inputs.input_ids),
-                                                    [c for _, _, c in rows], self.staging, out=verdict[num_logits:])
-        verified, event = self._to_host([verdict])
+        counts = [c for _, _, c in rows]
+        simulated = self.rejection_sampler.simulated_acceptance is not None
+        if verdict is not None:
+            # the argmax of every row, then each request's accepted count, in one tensor: one copy to the host
+            flat, argmax, n, accepted_at = verdict.flat, verdict.argmax, verdict.accepted, verdict.accepted_at
+            if simulated:  # (benchmarks) the replayed acceptance replaces the graph's
+                self.rejection_sampler.greedy_on_device(argmax, inputs.input_ids, counts, self.staging, out=n)
+        else:
+            logits = self.target.compute_logits(inputs.at_logits_rows(hidden))
+            accepted_at = logits.shape[0]
+            flat = torch.empty(accepted_at + len(rows), dtype=torch.long, device=self.device)
+            # torch's argmax, not greedy_pick's split: that saved ~12 us of device work on the default model
+            # and its two eager Triton launches cost ~80 us of host work a drafting step (H100, BENCHMARKS.md)
+            argmax = torch.argmax(logits, dim=-1, out=flat[:accepted_at])
+            n = self.rejection_sampler.greedy_on_device(argmax, inputs.at_logits_rows(inputs.input_ids), counts,
+                                                        self.staging, out=flat[accepted_at:])
+        verified, event = self._to_host([flat])
         pending = self.proposer.draft_on_device(DeviceStep(sched, rows, hidden, inputs.meta.slot_mapping, argmax, n,
                                                            ahead))
         drafts = self._to_host([pending.tokens.reshape(-1)]) if pending.tokens is not None else None
-        return _Verifying(out, rows, verified, event, pending, drafts, argmax, n)
+        return _Verifying(out, rows, verified, event, pending, drafts, argmax, n, accepted_at)
 
     def _verified(self, sched: SchedulerOutput, v: _Verifying) -> ModelRunnerOutput:
         """The host half of `_verify_and_draft`: the step's one wait, then its tokens and the number
@@ -242,7 +257,7 @@ class ModelRunner:
             v.event.synchronize()  # the step's one wait
         self._settle_drafts(sched)  # this step's drafts (read from the device) reach the host books
         verdict = v.verified[0].tolist()
-        tokens, accepted = verdict[:v.argmax.shape[0]], verdict[v.argmax.shape[0]:]
+        tokens, accepted = verdict[:v.argmax.shape[0]], verdict[v.accepted_at:v.accepted_at + len(v.rows)]
         for i, (s, first, _) in enumerate(v.rows):
             if s.request.is_finished:  # by its step before (a step scheduled ahead): its work is dropped
                 continue

@@ -74,6 +74,17 @@ def recovered_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, residual / total.clamp_min(1e-30), p)
 
 
+def accepted_in_rows(argmax: torch.Tensor, row_ids: torch.Tensor, num: int, rows: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The greedy rule for `num` requests of `rows` (1 + k) rows each, laid out one after another:
+    argmax [num * rows] the target's argmax of each row, row_ids the input token at each. Returns
+    each request's accepted-prefix length [num] int64 (the drafts its argmaxes match, up to the first
+    that does not): row j judges the token at row j + 1. No host work beyond the launches; a CUDA
+    graph can hold it (`StepGraphs`' verdict graphs)."""
+    grid, ids = argmax.view(num, rows), row_ids.view(num, rows)
+    return torch.sum((grid[:, :-1] == ids[:, 1:]).cumprod(dim=1), dim=1, out=out)  # a bool cumprod is int64
+
+
 def plain_greedy(params: SamplingParams, grammar) -> bool:
     """Is a request's next token the argmax of its raw logits row (and nothing else wanted of them)?"""
     return params.greedy and not params.adjusts_logits and grammar is None and params.logprobs is None
@@ -192,8 +203,7 @@ class RejectionSampler:
             return out.zero_()
         if self.simulated_acceptance is None and all(c == max_k + 1 for c in counts):
             # every request verifies k drafts: its rows reshape (nothing built on the host)
-            rows, ids = argmax.view(num, max_k + 1), row_ids.view(num, max_k + 1)
-            return torch.sum((rows[:, :max_k] == ids[:, 1:]).cumprod(dim=1), dim=1, out=out)  # a bool cumprod is int64
+            return accepted_in_rows(argmax, row_ids, num, max_k + 1, out=out)
         ks = np.asarray(counts, dtype=np.int64) - 1
         valid = np.arange(max_k)[None, :] < ks[:, None]  # [R, K]
         if self.simulated_acceptance is not None:

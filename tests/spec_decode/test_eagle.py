@@ -554,7 +554,11 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
     executor's graphs, captured for every 1..2 + k tokens per request, and the target's verifications
     its own, for every 1..1 + k (a step verifying fewer drafts than the cap is not padded to it).
     With async drafting (steps launched ahead of their predecessor's tokens, moved back in the
-    graphs' buffers) the same output, and the same drafts up to each request's last steps."""
+    graphs' buffers) the same output, and the same drafts up to each request's last steps. Steps
+    whose requests all verify as many drafts replay their verification graph's verdict variant (the
+    LM head, argmax and accepted counts in the graph): its verdict is the eager one's over the same
+    hidden states."""
+    from specserve.spec_decode.rejection import accepted_in_rows
     prompts = [{"prompt_token_ids": p} for p in spec_prompts()]
     args = dict(dtype="float32", device="cuda", num_kv_blocks=512, max_model_len=256, block_size=8, max_num_seqs=4,
                 max_num_batched_tokens=64,
@@ -579,12 +583,30 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
             assert llm.engine.runner.graphs.key(3, 2, 6)[2] == 2
             head.graphs.run = lambda *a, _run=head.graphs.run, _seen=graphed, **kw: _seen.append(1) or _run(*a, **kw)
             head.forward = lambda *a, _run=head.forward, _seen=catch_ups, **kw: _seen.append(1) or _run(*a, **kw)
+        verdicts = []
+        target = llm.engine.runner.target
+        if chain is not None:  # the verification graphs (Q > 1) that fit have a verdict variant
+            assert target.graphs.verdict_keys == [key for key in target.graphs.keys if 1 < key[2] <= 1 + 3]
+
+            def checked(input_ids, positions, meta, aux=True, _target=target, _seen=verdicts,
+                        _run=target.forward_verifying):
+                hidden, verdict = _run(input_ids, positions, meta, aux=aux)
+                if verdict is not None:  # the eager verdict over the same hidden states
+                    argmax = torch.argmax(_target.compute_logits(hidden), dim=-1)
+                    q = meta.max_query_len
+                    assert torch.equal(verdict.argmax, argmax)
+                    assert torch.equal(verdict.accepted, accepted_in_rows(argmax, input_ids, meta.num_reqs, q))
+                    _seen.append(q)
+                return hidden, verdict
+
+            target.forward_verifying = checked
         history = _drafting_history(llm.engine.proposer)
         outs = llm.generate(prompts, GREEDY)
         stats = llm.engine.stats()
         runs[name] = ([o.outputs[0].token_ids for o in outs], (stats["spec_decode_num_drafts"],
                       stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]), history)
         assert name != "graph" or len(replays) > 0
+        assert bool(verdicts) == (name in ("graph", "ahead")) and all(q > 1 for q in verdicts)
         assert chain is None or len(graphed) > len(catch_ups) / 2  # the rest: after prefills and gaps
         assert (stats["num_ahead_steps"] > 0) == (name == "ahead") and stats["num_failed_steps"] == 0
     assert runs["graph"][:2] == runs["eager"][:2] == runs["host"][:2]
