@@ -94,7 +94,9 @@ class RejectionSampler:
     def __init__(self, simulated_acceptance: float | None = None, seed: int = 0) -> None:
         # Benchmarks only: accept each draft with this probability, whatever the models say.
         self.simulated_acceptance = simulated_acceptance
-        self._sim_generator = torch.Generator().manual_seed(seed)
+        self._sim_seed = seed
+        self._sim_generators: dict[str, torch.Generator] = {}  # by device: the draws stay where they are read
+        self._sim_rates: dict[tuple[str, int], torch.Tensor] = {}  # per-position rates, by (device, k)
         self.masks = GrammarMasks()
 
     def verify(self, logits: torch.Tensor, verify_rows: Sequence[tuple], rows: Sequence[SamplingRow],
@@ -193,23 +195,25 @@ class RejectionSampler:
         the requests' rows (1 + k each, in row order: a request's rows are its last 1 + k input tokens,
         its newest token and its drafts, so the draft row j judges is the token at row j + 1). Returns
         the accepted-prefix lengths n [R] on the device: request r's tokens are its first n drafts,
-        then argmax[its first row + n]. (With `simulated_acceptance` n is drawn on the host and
-        uploaded.) No host wait; nothing uploaded when every request has the same count. `out`: an int64
-        [R] tensor to write n into (it is returned)."""
+        then argmax[its first row + n]. (With `simulated_acceptance` n is drawn on the device, as
+        cheap for the host as the real rule's few launches.) No host wait; nothing uploaded when every
+        request has the same count. `out`: an int64 [R] tensor to write n into (it is returned)."""
         num, max_k = len(counts), max(counts) - 1
         if out is None:
             out = torch.empty(num, dtype=torch.long, device=argmax.device)
         if max_k == 0:
             return out.zero_()
-        if self.simulated_acceptance is None and all(c == max_k + 1 for c in counts):
-            # every request verifies k drafts: its rows reshape (nothing built on the host)
-            return accepted_in_rows(argmax, row_ids, num, max_k + 1, out=out)
+        uniform = all(c == max_k + 1 for c in counts)
         ks = np.asarray(counts, dtype=np.int64) - 1
+        if self.simulated_acceptance is not None:  # (benchmarks) each request's accepted prefix, drawn
+            accepted = self._simulated(num, max_k, argmax.device)
+            if not uniform:  # draws past a request's own drafts are not its
+                (ks_d,) = staging.to_device([ks], torch.int64)
+                accepted &= torch.arange(max_k, device=argmax.device) < ks_d[:, None]
+            return torch.sum(accepted.cumprod(dim=1), dim=1, out=out)
+        if uniform:  # every request verifies k drafts: its rows reshape (nothing built on the host)
+            return accepted_in_rows(argmax, row_ids, num, max_k + 1, out=out)
         valid = np.arange(max_k)[None, :] < ks[:, None]  # [R, K]
-        if self.simulated_acceptance is not None:
-            accepted = self._simulated(num, max_k, "cpu").numpy() & valid
-            (n,) = staging.to_device([np.cumprod(accepted, axis=1).sum(axis=1)], torch.int64)
-            return out.copy_(n)
         firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         grid = np.where(valid, firsts[:, None] + np.arange(max_k)[None, :], len(argmax))  # padding: no match
         (grid_d,) = staging.to_device([grid.ravel()], torch.int64)
@@ -264,10 +268,18 @@ class RejectionSampler:
     def _simulated(self, num: int, max_k: int, device) -> torch.Tensor:
         """[num, max_k]: draft j accepted (given j-1 was) with the simulated rate of position j (a list
         gives one per position, its last value repeating past its end)."""
+        device = str(device)
+        generator = self._sim_generators.get(device)
+        if generator is None:  # one seeded stream per device
+            generator = self._sim_generators[device] = torch.Generator(device=device).manual_seed(self._sim_seed)
         rates = self.simulated_acceptance
         if isinstance(rates, list):
-            rates = torch.tensor([rates[min(j, len(rates) - 1)] for j in range(max_k)])
-        return (torch.rand(num, max_k, generator=self._sim_generator) < rates).to(device)
+            rates = self._sim_rates.get((device, max_k))
+            if rates is None:  # made once per k: uploading them would cost the host a copy each step
+                listed = self.simulated_acceptance
+                rates = self._sim_rates[(device, max_k)] = torch.tensor(
+                    [listed[min(j, len(listed) - 1)] for j in range(max_k)], device=device)
+        return torch.rand(num, max_k, generator=generator, device=device) < rates
 
     def _mask_grammars(self, target: torch.Tensor, reqs: Sequence[VerifyRequest], max_k: int) -> list[int] | None:
         """Mask each constrained request's 1 + k rows of target ([R * (K+1), V], in place) with its

@@ -149,6 +149,34 @@ def test_plain_greedy_batches_take_the_host_path_with_the_same_tokens(monkeypatc
     assert calls == [1]
 
 
+def test_replayed_acceptance_on_the_device_follows_its_rates_per_position():
+    """Benchmarks' replayed acceptance (`simulated_acceptance`, a rate per draft position) for drafting on
+    the device: drawn where the verification is (nothing but launches on the host), each draft accepted
+    with its position's rate given the ones before it, never past a request's own drafts, the same
+    draws for the same seed."""
+    staging = HostStaging(torch.device("cpu"))
+    argmax = torch.zeros(5 * 4, dtype=torch.long)
+
+    def drawn(rates, counts, seed=0):
+        rows = sum(counts)
+        return RejectionSampler(simulated_acceptance=rates, seed=seed).greedy_on_device(
+            argmax[:rows], argmax[:rows], counts, staging)
+
+    uploads = []
+    upload = staging.to_device
+    staging.to_device = lambda *a: uploads.append(1) or upload(*a)
+    assert drawn([1.0, 1.0, 0.0], [5, 5, 5, 5]).tolist() == [2, 2, 2, 2]  # the last rate repeats past the list
+    assert not uploads  # every request verifying as many drafts: nothing goes up from the host
+    assert drawn([1.0], [5, 2, 1, 4]).tolist() == [4, 1, 0, 3]  # uneven counts: each request's own drafts
+    assert drawn([0.0, 1.0], [5, 2, 1, 4]).tolist() == [0, 0, 0, 0]
+    many = RejectionSampler(simulated_acceptance=[0.6, 0.5], seed=3)
+    n = torch.cat([many.greedy_on_device(argmax[:15], argmax[:15], [3] * 5, staging) for _ in range(4000)])
+    # P(n >= 1) = 0.6, P(n = 2) = 0.6 * 0.5
+    assert abs((n >= 1).float().mean().item() - 0.6) < 0.02 and abs((n == 2).float().mean().item() - 0.3) < 0.02
+    assert torch.equal(drawn(0.5, [4] * 5, seed=1), drawn(0.5, [4] * 5, seed=1))
+    assert not all(torch.equal(drawn(0.5, [4] * 5, seed=1), drawn(0.5, [4] * 5, seed=s)) for s in (2, 3, 4))
+
+
 def test_seeded_requests_are_reproducible():
     params = SamplingParams(temperature=1.0, seed=7)
     torch.manual_seed(3)
