@@ -21,6 +21,7 @@ if __name__ == "kernels":
 else:
     from specserve.kernels.activation import ref_silu_and_mul, silu_and_mul
     from specserve.kernels.attention_config import KernelConfig, select_configs
+    from specserve.kernels.chain_positions import chain_positions, ref_chain_positions
     from specserve.kernels.greedy_pick import greedy_pick, linear_greedy_pick, ref_greedy_pick, ref_linear_greedy_pick
     from specserve.kernels.int8_linear import int8_linear, ref_int8_linear
     from specserve.kernels.move_back import move_back, ref_move_back, warm_up_move_back
@@ -31,11 +32,13 @@ else:
 
     __all__ = [
         "KernelConfig",
+        "chain_positions",
         "greedy_pick",
         "int8_linear",
         "linear_greedy_pick",
         "move_back",
         "paged_attention",
+        "ref_chain_positions",
         "ref_greedy_pick",
         "ref_int8_linear",
         "ref_linear_greedy_pick",

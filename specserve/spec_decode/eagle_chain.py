@@ -8,8 +8,9 @@ metadata, launches and graph-buffer copies. Here the whole chain is captured onc
 positions, KV slots and sequence lengths of every step are computed on the device from the requests'
 context lengths L and block tables (both already there: the catch-up's metadata), so a replay costs
 a few buffer copies and one launch, and the host waits only for the drafts it reads back. They are
-computed for all steps at once (`chain_positions`: ~16 small kernels at any k, where one step's
-took ~12), and each step's draft is picked by one kernel (`kernels/greedy_pick.py`: the argmax of the
+computed for all steps at once, in one launch (`kernels/chain_positions.py`; its torch reference here,
+`chain_positions`, is ~16 small kernels at any k, where one step's took ~12), and each step's draft is
+picked by one kernel (`kernels/greedy_pick.py`: the argmax of the
 draft logits in their own dtype, the draft vocabulary's lookup and the write, which took four with
 the logits' fp32 cast), over a few requests with a float LM head straight from the head's output
 (`EagleHead.pick_greedy`: no logits, the pick over one partial maximum a block of 32 rows): at one
@@ -56,10 +57,6 @@ class ChainGraphs:
         self.block_tables = torch.zeros(batch, -(-max_model_len // block_size), dtype=torch.int32, device=device)
         self.tokens = torch.zeros(batch, max_k, dtype=torch.long, device=device)  # drafts (target ids)
         self._query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        # constants of `chain_positions`, made once (not captured): the chain steps' indices and each
-        # request's first entry in the flattened block tables
-        self._steps = torch.arange(max(max_k - 1, 1), device=device).unsqueeze(1)
-        self._table_rows = (torch.arange(batch, device=device) * self.block_tables.shape[1]).unsqueeze(0)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     @torch.inference_mode()
@@ -102,6 +99,8 @@ class ChainGraphs:
 
     def _chain(self, batch: int, k: int) -> None:
         """The captured work: k drafts for the first `batch` requests of the buffers."""
+        from specserve.kernels.chain_positions import chain_positions as chain_positions_kernel  # (CUDA only)
+
         head = self.head
         out = self.out0[:batch]
         tables = self.block_tables[:batch]
@@ -109,9 +108,8 @@ class ChainGraphs:
         head.pick_greedy(out, tokens[:, 0])
         if k == 1:
             return
-        positions, slots, seq_lens = chain_positions(
-            self.seq_lens[:batch], self.ks[:batch], tables, self.block_size, self._steps[:k - 1],
-            self._table_rows[:, :batch])
+        positions, slots, seq_lens = chain_positions_kernel(self.seq_lens[:batch], self.ks[:batch], tables,
+                                                            self.block_size, k - 1)
         for j in range(1, k):
             meta = AttentionMetadata(
                 num_reqs=batch, num_tokens=batch, max_query_len=1, max_seq_len=self.max_model_len,
@@ -131,7 +129,8 @@ def chain_positions(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor,
     drafts; tables: [P, W] int32 block tables (contiguous rows); steps: [k - 1, 1] int64 0 .. k - 2;
     table_rows: [1, P] int64 i * W. Chain step j (1-based) runs entry L - 1 + j: position
     L + j - 1, or, past a request's own k (and for padding requests, k = 0), its last position again
-    (L + k - 2, or L - 1 with k <= 1), writing nothing there."""
+    (L + k - 2, or L - 1 with k <= 1), writing nothing there. The reference of the chain graphs' one
+    launch (`kernels/chain_positions.py`), and what runs where Triton does not."""
     last_step = (ks - 2).clamp(min=-1)  # a request's last chain step, 0-based (-1: none)
     positions = first.long() + torch.minimum(last_step, steps)  # [k - 1, P]
     blocks = torch.take(tables, table_rows + positions // block_size).long()
