@@ -4,7 +4,7 @@ Chain step j (0-based, j < k - 1) of request p runs its entry L - 1 + (j + 1): p
 the request's own k drafts (and for padding requests, k = 0), its last position again (L + k - 2, or
 L - 1 with k <= 1), writing nothing there (slot PAD_SLOT_ID); its KV slot is that position's in the
 request's block table, its sequence length the position + 1. The reference, `ref_chain_positions`, is the
-torch version (spec_decode/eagle_chain.py, `chain_positions`): ~16 small kernels at any k, each a
+torch version (spec_decode/chain_positions.py): ~16 small kernels at any k, each a
 launch the device runs back to back at one request (~2-3 us apiece on an H100), against one here.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from specserve.models.layers.attention import PAD_SLOT_ID
-from specserve.spec_decode.eagle_chain import chain_positions as ref_chain_positions  # noqa: F401 - the oracle
+from specserve.spec_decode.chain_positions import chain_positions_torch as ref_chain_positions  # noqa: F401 - the oracle
 
 
 @triton.jit(do_not_specialize=["num_reqs", "table_stride"])

@@ -8,8 +8,8 @@ metadata, launches and graph-buffer copies. Here the whole chain is captured onc
 positions, KV slots and sequence lengths of every step are computed on the device from the requests'
 context lengths L and block tables (both already there: the catch-up's metadata), so a replay costs
 a few buffer copies and one launch, and the host waits only for the drafts it reads back. They are
-computed for all steps at once, in one launch (`kernels/chain_positions.py`; its torch reference here,
-`chain_positions`, is ~16 small kernels at any k, where one step's took ~12), and each step's draft is
+computed for all steps at once, in one launch (`kernels/chain_positions.py`; its torch reference,
+spec_decode/chain_positions.py, is ~16 small kernels at any k, where one step's took ~12), and each step's draft is
 picked by one kernel (`kernels/greedy_pick.py`: the argmax of the
 draft logits in their own dtype, the draft vocabulary's lookup and the write, which took four with
 the logits' fp32 cast), over a few requests with a float LM head straight from the head's output
@@ -31,7 +31,7 @@ import time
 import torch
 
 from specserve.engine.cuda_graphs import CAPTURE_SIZES
-from specserve.models.layers.attention import PAD_SLOT_ID, AttentionMetadata
+from specserve.models.layers.attention import AttentionMetadata
 from specserve.spec_decode.eagle_head import EagleHead
 
 logger = logging.getLogger(__name__)
@@ -119,20 +119,3 @@ class ChainGraphs:
             out = head(tokens[:, j - 1], positions[j - 1], self.kv_caches, meta, hidden_states=out)
             head.pick_greedy(out, tokens[:, j])  # LM head, argmax, lookup and write: two launches
 
-
-def chain_positions(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor, block_size: int,
-                    steps: torch.Tensor, table_rows: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every chain step's inputs at once, [k - 1, P] each, contiguous per step: positions (int64),
-    KV slots (int64; PAD_SLOT_ID where a request is past its own k) and sequence lengths (int32).
-    first: [P] L, the position of a request's first chain entry (any int dtype); ks: [P] int64 its
-    drafts; tables: [P, W] int32 block tables (contiguous rows); steps: [k - 1, 1] int64 0 .. k - 2;
-    table_rows: [1, P] int64 i * W. Chain step j (1-based) runs entry L - 1 + j: position
-    L + j - 1, or, past a request's own k (and for padding requests, k = 0), its last position again
-    (L + k - 2, or L - 1 with k <= 1), writing nothing there. The reference of the chain graphs' one
-    launch (`kernels/chain_positions.py`), and what runs where Triton does not."""
-    last_step = (ks - 2).clamp(min=-1)  # a request's last chain step, 0-based (-1: none)
-    positions = first.long() + torch.minimum(last_step, steps)  # [k - 1, P]
-    blocks = torch.take(tables, table_rows + positions // block_size).long()
-    slots = torch.where(last_step >= steps, blocks * block_size + positions % block_size, PAD_SLOT_ID)
-    return positions, slots, (positions + 1).int()

@@ -192,12 +192,13 @@ def test_verdict_graphs_hold_uniform_verifications_whose_logits_fit():
     model = torch.nn.Linear(2, 2)
     vocab = 128256  # an 8B model's
     model.cfg = SimpleNamespace(vocab_size=vocab)
-    g = StepGraphs(model, [], torch.device("cpu"), 16, 8192, 64, query_lens_up_to(5), 512, verdicts=True)
+    g = StepGraphs(model, [], torch.device("cpu"), 16, 8192, 256, query_lens_up_to(5), 512, verdicts=True)
     assert g.verdict_keys and all(q > 1 and t * vocab * 4 <= VERDICT_LOGITS_BYTES for _, t, q in g.verdict_keys)
-    assert (24, 120, 5) in g.verdict_keys and (32, 160, 5) not in g.verdict_keys and (32, 96, 3) in g.verdict_keys
+    assert (64, 320, 5) in g.verdict_keys and (96, 480, 5) in g.verdict_keys and (128, 640, 5) not in g.verdict_keys
+    assert (128, 384, 3) in g.verdict_keys and (256, 512, 2) in g.verdict_keys
     assert not any(q == 1 or q in g.prefill_lens for _, _, q in g.verdict_keys)
     # in `capture`, a graph's verdict variant stands beside its plain one: the graphs are not otherwise changed
-    assert g.keys == graphs(512, query_lens_up_to(5), 64).keys
+    assert g.keys == graphs(512, query_lens_up_to(5), 256).keys
 
     def step(num_reqs, q, num_tokens):
         return SimpleNamespace(num_reqs=num_reqs, max_query_len=q, num_tokens=num_tokens)
@@ -205,7 +206,7 @@ def test_verdict_graphs_hold_uniform_verifications_whose_logits_fit():
     g.verdict_graphs = {key: None for key in g.verdict_keys}  # (as captured)
     assert g.has_verdict(step(3, 5, 15), g.key(3, 5, 15))  # padded to 4 requests: the rows of 3 reshape
     assert not g.has_verdict(step(3, 5, 12), g.key(3, 5, 12))  # one request verifies fewer drafts
-    assert not g.has_verdict(step(30, 5, 150), g.key(30, 5, 150))  # (32, 160, 5): its logits do not fit
+    assert not g.has_verdict(step(100, 5, 500), g.key(100, 5, 500))  # (128, 640, 5): its logits do not fit
     assert not g.has_verdict(step(1, 1, 1), g.key(1, 1, 1))  # a decode step: no verification
-    plain = graphs(512, query_lens_up_to(5), 64)
+    plain = graphs(512, query_lens_up_to(5), 256)
     assert plain.verdict_keys == [] and not plain.has_verdict(step(3, 5, 15), plain.key(3, 5, 15))

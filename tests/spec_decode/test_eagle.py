@@ -616,13 +616,14 @@ def test_chain_graphs_draft_as_the_eager_chain(tiny_llama_dir, head, quantizatio
 
 @pytest.mark.parametrize("k", [2, 3, 5])
 def test_the_chain_graphs_step_inputs_are_the_eager_chains(k):
-    """`chain_positions` (all of a chain graph's steps' inputs at once, on the device) gives each
+    """`chain_positions_torch` (all of a chain graph's steps' inputs at once, the oracle of the chain
+    graphs' one launch, kernels/chain_positions.py) gives each
     request the positions, KV slots and sequence lengths the eager chain's metadata (`chain_metadata`)
     gives it while it drafts; past its own k (and for padding requests, k = 0) it repeats its last
     position, writes nothing and reads only positions it holds."""
     from specserve.engine.step_inputs import chain_metadata
     from specserve.models.layers.attention import PAD_SLOT_ID
-    from specserve.spec_decode.eagle_chain import chain_positions
+    from specserve.spec_decode.chain_positions import chain_positions_torch as chain_positions
     gen = torch.Generator().manual_seed(k)
     bs, width, num_reqs = 4, 9, 7
     ks = [k, 1, k - 1, 0, k, 2, 0][:num_reqs]  # the last two: a short one and padding
