@@ -17,23 +17,26 @@ from specserve.models.layers.attention import PAD_SLOT_ID
 from specserve.spec_decode.chain_positions import chain_positions_torch as ref_chain_positions  # noqa: F401 - the oracle
 
 
-@triton.jit(do_not_specialize=["num_reqs", "table_stride"])
+BLOCK = 128  # requests a program: the chain graphs' largest batch (MAX_CHAIN_BATCH) in one
+
+
+@triton.jit(do_not_specialize=["num_reqs", "table_stride", "num_steps"])  # one compile for every batch and k
 def _chain_positions_kernel(
     first_ptr,  # [P] L of each request (any int dtype)
     ks_ptr,  # [P] int64 drafts of each request
     tables_ptr,  # [P, *] int32, rows `table_stride` apart
-    positions_ptr,  # [STEPS, P] int64, written
-    slots_ptr,  # [STEPS, P] int64, written
-    seq_lens_ptr,  # [STEPS, P] int32, written
-    num_reqs, table_stride,
-    BLOCK_SIZE: tl.constexpr, STEPS: tl.constexpr, PAD_SLOT: tl.constexpr, BLOCK: tl.constexpr,
+    positions_ptr,  # [num_steps, P] int64, written
+    slots_ptr,  # [num_steps, P] int64, written
+    seq_lens_ptr,  # [num_steps, P] int32, written
+    num_reqs, table_stride, num_steps,
+    BLOCK_SIZE: tl.constexpr, PAD_SLOT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = p < num_reqs
     first = tl.load(first_ptr + p, mask=ok, other=1).to(tl.int64)
     last = tl.maximum(tl.load(ks_ptr + p, mask=ok, other=0) - 2, -1)  # a request's last chain step (-1: none)
     table = tables_ptr + p.to(tl.int64) * table_stride
-    for j in tl.static_range(STEPS):
+    for j in range(num_steps):
         pos = first + tl.minimum(last, j)
         block = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
         slot = tl.where(last >= j, block * BLOCK_SIZE + pos % BLOCK_SIZE, PAD_SLOT)
@@ -57,8 +60,7 @@ def chain_positions(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor,
     slots = torch.empty_like(positions)
     seq_lens = torch.empty(steps, num_reqs, dtype=torch.int32, device=first.device)
     if steps and num_reqs:
-        block = max(16, triton.next_power_of_2(min(num_reqs, 128)))
-        _chain_positions_kernel[(triton.cdiv(num_reqs, block),)](
-            first, ks, tables, positions, slots, seq_lens, num_reqs, tables.stride(0),
-            BLOCK_SIZE=block_size, STEPS=steps, PAD_SLOT=PAD_SLOT_ID, BLOCK=block, num_warps=1)
+        _chain_positions_kernel[(triton.cdiv(num_reqs, BLOCK),)](
+            first, ks, tables, positions, slots, seq_lens, num_reqs, tables.stride(0), steps,
+            BLOCK_SIZE=block_size, PAD_SLOT=PAD_SLOT_ID, BLOCK=BLOCK, num_warps=1)
     return positions, slots, seq_lens
