@@ -127,7 +127,7 @@ class ModelRunner:
         # the aux outputs (an EAGLE head's feature) only where they may be read
         aux = self.proposer is None or self.proposer.needs_aux(sched, defer)
         verdict = None
-        if on_device and not defer and inputs.logits_rows and len(inputs.logits_indices) == len(inputs.input_ids):
+        if on_device and not defer and inputs.logits_rows and inputs.every_row_logits:
             hidden, verdict = self.target.forward_verifying(inputs.input_ids, inputs.positions, inputs.meta, aux=aux)
         else:
             hidden = self.target.forward(inputs.input_ids, inputs.positions, inputs.meta, aux=aux)

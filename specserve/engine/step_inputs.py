@@ -30,11 +30,15 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_logits] rows of the hidden states to project
     logits_rows: list[tuple[ScheduledRequest, int, int]]  # (request, first logits row, count)
 
+    @property
+    def every_row_logits(self) -> bool:
+        """Does every row take logits (decode, verification: the indices, increasing, are then all rows)?"""
+        return len(self.logits_indices) == len(self.input_ids)
+
     def at_logits_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The rows of `x` [num_tokens, ...] that take logits, in order: [num_logits, ...]. When every
-        row takes logits (decode, verification: the indices, increasing, are then all rows) nothing is
-        gathered."""
-        return x if len(self.logits_indices) == len(self.input_ids) else x[self.logits_indices]
+        row takes logits nothing is gathered."""
+        return x if self.every_row_logits else x[self.logits_indices]
 
 
 class HostStaging:

@@ -204,15 +204,15 @@ class RejectionSampler:
         if max_k == 0:
             return out.zero_()
         uniform = all(c == max_k + 1 for c in counts)
-        ks = np.asarray(counts, dtype=np.int64) - 1
         if self.simulated_acceptance is not None:  # (benchmarks) each request's accepted prefix, drawn
             accepted = self._simulated(num, max_k, argmax.device)
             if not uniform:  # draws past a request's own drafts are not its
-                (ks_d,) = staging.to_device([ks], torch.int64)
+                (ks_d,) = staging.to_device([np.asarray(counts, dtype=np.int64) - 1], torch.int64)
                 accepted &= torch.arange(max_k, device=argmax.device) < ks_d[:, None]
             return torch.sum(accepted.cumprod(dim=1), dim=1, out=out)
         if uniform:  # every request verifies k drafts: its rows reshape (nothing built on the host)
             return accepted_in_rows(argmax, row_ids, num, max_k + 1, out=out)
+        ks = np.asarray(counts, dtype=np.int64) - 1
         valid = np.arange(max_k)[None, :] < ks[:, None]  # [R, K]
         firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         grid = np.where(valid, firsts[:, None] + np.arange(max_k)[None, :], len(argmax))  # padding: no match
