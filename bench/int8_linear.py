@@ -77,10 +77,16 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/int8_linear_gpu.json"))
     ap.add_argument("--l2-mb", type=float, default=50, help="the GPU's L2 cache (H100 / H200: 50 MB); 0 = one "
                     "copy of the weights, which a small layer's calls then find in L2")
+    ap.add_argument("--tensor-cores-only", action="store_true", help="time the tensor-core kernel's tiles alone, "
+                    "also for one row (the one-row kernel left out: the code before it, for an A/B in one call)")
     args = ap.parse_args()
+    if args.tensor_cores_only:
+        import specserve.kernels.int8_linear as kernel
+        kernel.GEMV_CANDIDATES = ()
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "l2_mb": args.l2_mb, "cases": []}
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "l2_mb": args.l2_mb,
+           "tensor_cores_only": args.tensor_cores_only, "cases": []}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         for m in args.rows:

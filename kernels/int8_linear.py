@@ -10,6 +10,11 @@ A layer with few output rows (N) and a long K gives a GPU too few tiles to keep 
 split over K (SPLIT_K > 1) each tile's K range is shared by SPLIT_K programs, which write their scaled
 fp32 partial sums to a scratch buffer, and a second small kernel adds them in a fixed order (the
 result does not depend on which program finishes first) with the bias.
+
+One row (a chain step of one request) has a second kernel: a matrix-vector product on the CUDA cores
+(`_int8_gemv_kernel`: each program widens a [BLOCK_N, BLOCK_K] weight tile to fp32, multiplies it by
+the row and sums along K), which stages no tile for the tensor cores and pads no row to 16. Which of
+the two kernels and which tiles a shape gets is timed on first use (`_tuned_config`).
 """
 from __future__ import annotations
 
@@ -66,6 +71,41 @@ def _int8_linear_kernel(
         tl.store(part_ptrs, acc, mask=mask)
 
 
+@triton.jit
+def _int8_gemv_kernel(
+    x_ptr,  # [1, K]
+    w_ptr,  # [N, K] int8
+    scale_ptr,  # [N] fp32
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [1, N]; split over K: [SPLIT_K, 1, N] fp32 partial sums
+    N, K, K_SPLIT,  # K_SPLIT: the K range of one split, a multiple of BLOCK_K
+    stride_wn,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """out = (w @ x) * scale (+ bias) for one row x, in fp32 on the CUDA cores."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = (k0 + ks) < k_end
+        x = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=(cols[:, None] < N) & k_ok[None, :], other=0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+    else:
+        tl.store(out_ptr + pid_k.to(tl.int64) * N + cols, acc, mask=cols < N)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
@@ -91,7 +131,11 @@ CANDIDATES = ((32, 128, 3, 1, 4), (32, 512, 5, 1, 4), (64, 256, 4, 1, 4), (128, 
 # too (on an H200 the candidates above took 1.44x cuBLAS's bf16 time at 64 rows; these are not measured
 # yet: Int8Linear sends such products to its float weights)
 WIDE_CANDIDATES = ((128, 64, 4, 1, 8), (128, 128, 3, 1, 8), (256, 64, 3, 1, 8), (64, 128, 4, 1, 8))
-_TUNED: dict[tuple, dict] = {}  # (row bucket, N, K, dtype, bias) -> the fastest config timed on this GPU
+# the one-row kernel's (BLOCK_N, BLOCK_K, num_stages, SPLIT_K, num_warps), timed beside the tensor cores'
+# for one row; K-long tiles of a few rows: 16 bytes of each weight row per thread and load
+GEMV_CANDIDATES = ((16, 512, 3, 1, 4), (32, 256, 3, 1, 4), (8, 1024, 3, 1, 4), (16, 512, 3, 2, 4),
+                   (32, 512, 2, 1, 8), (16, 256, 4, 4, 4))
+_TUNED: dict[tuple, dict] = {}  # (row bucket: 1 for one row, N, K, dtype, bias) -> the fastest config timed on this GPU
 logger = logging.getLogger(__name__)
 
 
@@ -100,27 +144,45 @@ def row_bucket(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def candidates(m: int) -> tuple[tuple[int, int, int, int, int], ...]:
-    """The tile candidates the first-use timing tries for products of m rows."""
-    return CANDIDATES if row_bucket(m) == 16 else CANDIDATES + WIDE_CANDIDATES
+Candidate = tuple[int, int, int, int, int]
 
 
-def int8_linear_config(m: int, candidate: tuple[int, int, int, int, int] = CANDIDATES[0]) -> dict:
+def candidates(m: int) -> tuple[tuple[Candidate, bool], ...]:
+    """The (tiles, one-row kernel?) candidates the first-use timing tries for products of m rows."""
+    tensor_cores = CANDIDATES if row_bucket(m) == 16 else CANDIDATES + WIDE_CANDIDATES
+    return tuple((c, False) for c in tensor_cores) + tuple((c, True) for c in (GEMV_CANDIDATES if m == 1 else ()))
+
+
+def int8_linear_config(m: int, candidate: Candidate = CANDIDATES[0], gemv: bool = False) -> dict:
+    """A launch's config: the tensor-core kernel's tiles for m rows, or (gemv, one row) the one-row kernel's."""
     block_n, block_k, stages, split_k, warps = candidate
+    if gemv:
+        if m != 1:
+            raise ValueError(f"the one-row kernel takes one row, not {m}")
+        return dict(GEMV=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=warps, num_stages=stages)
     return dict(BLOCK_M=row_bucket(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=warps,
                 num_stages=stages)
 
 
 def _launch(x2, weight, scale, bias, out, cfg: dict) -> None:
     m, (n, k) = x2.shape[0], weight.shape
+    cfg = dict(cfg)
+    gemv = cfg.pop("GEMV", False)
     split = cfg["SPLIT_K"]
     k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
-    _int8_linear_kernel[grid](
-        x2, weight, scale, bias if bias is not None else scale, dest, m, n, k, k_split,
-        x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        INPUT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", **cfg)
+    if gemv:
+        if m != 1:
+            raise ValueError(f"the one-row kernel takes one row, not {m}")
+        _int8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+            x2, weight, scale, bias if bias is not None else scale, dest, n, k, k_split, weight.stride(0),
+            HAS_BIAS=bias is not None, **cfg)
+    else:
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+        _int8_linear_kernel[grid](
+            x2, weight, scale, bias if bias is not None else scale, dest, m, n, k, k_split,
+            x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            INPUT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", **cfg)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(n, block), m)](
@@ -129,7 +191,7 @@ def _launch(x2, weight, scale, bias, out, cfg: dict) -> None:
 
 
 def _tuning_key(m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool) -> tuple:
-    return row_bucket(m), n, k, dtype, has_bias
+    return 1 if m == 1 else row_bucket(m), n, k, dtype, has_bias
 
 
 def timed_config(m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool = False) -> dict | None:
@@ -155,11 +217,15 @@ def _tuned_config(x2, weight, scale, bias, out) -> dict:
     t0, best = time.perf_counter(), None
     flush = torch.empty(2 * torch.cuda.get_device_properties(x2.device).L2_cache_size, dtype=torch.int8,
                         device=x2.device)  # written between launches: each reads its weights from memory
-    for candidate in candidates(m):
-        cfg = int8_linear_config(m, candidate)
+    for candidate, gemv in candidates(m):
+        cfg = int8_linear_config(m, candidate, gemv)
         try:
             _launch(x2, weight, scale, bias, out, cfg)  # compile, warm
         except OutOfResources:  # its tiles need more shared memory than the GPU has (fp32)
+            continue
+        except Exception as exc:  # noqa: BLE001 - a candidate this Triton cannot compile: time the others
+            logger.warning("int8 linear kernel: candidate %s does not compile here (%s: %s); left out", cfg,
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             continue
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(5)]
         torch.cuda._sleep(2_000_000)  # the device spins (~1 ms) while the host queues the launches: the
@@ -173,7 +239,7 @@ def _tuned_config(x2, weight, scale, bias, out) -> dict:
         if best is None or ms < best[0]:
             best = (ms, cfg)
     _TUNED[key] = best[1] if best is not None else int8_linear_config(m)
-    logger.debug("int8 linear kernel, %d rows x (%d x %d) %s: %s (%.1f s)", row_bucket(m), n, k, x2.dtype,
+    logger.debug("int8 linear kernel, %d rows x (%d x %d) %s: %s (%.1f s)", key[0], n, k, x2.dtype,
                  _TUNED[key], time.perf_counter() - t0)
     return _TUNED[key]
 

@@ -7,7 +7,8 @@ import torch
 
 from tests.kernels.conftest import DEVICE
 
-from specserve.kernels.int8_linear import CANDIDATES, WIDE_CANDIDATES, int8_linear, int8_linear_config, ref_int8_linear
+from specserve.kernels.int8_linear import (CANDIDATES, GEMV_CANDIDATES, WIDE_CANDIDATES, candidates, int8_linear,
+                                           int8_linear_config, ref_int8_linear)
 from specserve.quant.int8_rows import quantize_int8_rows
 
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
@@ -50,6 +51,22 @@ def test_int8_linear_wide_tiles_match_the_oracle(candidate):
     _check(70, 300, 200, torch.float32, True, seed=sum(candidate), config=int8_linear_config(70, candidate))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("candidate", GEMV_CANDIDATES)
+@pytest.mark.parametrize("n,k,bias", [(40, 1000, True), (96, 300, False)])
+def test_int8_one_row_kernel_matches_the_oracle(n, k, bias, candidate, dtype):
+    """The one-row kernel's tiles: ragged N and K (K ranges that end mid-tile, splits with no K left),
+    the partial sums' reduction with the bias."""
+    _check(1, n, k, dtype, bias, seed=n + k + sum(candidate), config=int8_linear_config(1, candidate, gemv=True))
+
+
+def test_one_row_products_time_both_kernels_and_more_rows_the_tensor_cores_alone():
+    assert {gemv for _, gemv in candidates(1)} == {False, True}
+    assert not any(gemv for _, gemv in candidates(2)) and not any(gemv for _, gemv in candidates(40))
+    with pytest.raises(ValueError, match="one row"):
+        int8_linear_config(2, GEMV_CANDIDATES[0], gemv=True)
+
+
 def test_quantize_int8_rows_round_trips_within_half_a_step():
     w = torch.randn(17, 40)
     w[3] = 0.0  # an all-zero row: scale 1, zeros
@@ -81,6 +98,15 @@ def test_gpu_int8_linear_bf16(m, n, k):
     candidate compiled and timed; more rows the first candidate's (each candidate's compile takes
     seconds: timing three row buckets ran past a test run's time)."""
     _check(m, n, k, torch.bfloat16, bias=False, seed=m + n, config=None if m <= 16 else int8_linear_config(m))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("candidate", GEMV_CANDIDATES)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (1000, 576)])
+def test_gpu_int8_one_row_kernel_bf16(n, k, candidate):
+    """Each of the one-row kernel's tiles compiled and run (the first-use timing leaves out a candidate
+    that does not compile: this test does not)."""
+    _check(1, n, k, torch.bfloat16, bias=False, seed=n + sum(candidate), config=int8_linear_config(1, candidate, True))
 
 
 def test_int8_layer_reads_int8_rows_up_to_its_row_limit_and_the_float_weights_past_it():
