@@ -23,6 +23,7 @@ else:
     from specserve.kernels.attention_config import KernelConfig, select_configs
     from specserve.kernels.chain_positions import chain_positions, ref_chain_positions
     from specserve.kernels.greedy_pick import greedy_pick, linear_greedy_pick, ref_greedy_pick, ref_linear_greedy_pick
+    from specserve.kernels.head_input import head_input, ref_head_input
     from specserve.kernels.int8_linear import int8_linear, ref_int8_linear
     from specserve.kernels.move_back import move_back, ref_move_back, warm_up_move_back
     from specserve.kernels.paged_attention import paged_attention, ref_paged_attention, warm_up_paged_attention
@@ -34,12 +35,14 @@ else:
         "KernelConfig",
         "chain_positions",
         "greedy_pick",
+        "head_input",
         "int8_linear",
         "linear_greedy_pick",
         "move_back",
         "paged_attention",
         "ref_chain_positions",
         "ref_greedy_pick",
+        "ref_head_input",
         "ref_int8_linear",
         "ref_linear_greedy_pick",
         "ref_move_back",

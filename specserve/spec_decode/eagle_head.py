@@ -47,7 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specserve.config import EAGLE_HEAD_ARCHITECTURE, is_head_dir
 from specserve.models.layers.attention import AttentionBackend, AttentionMetadata
-from specserve.models.layers.basic import RMSNorm, RotaryEmbedding
+from specserve.models.layers.basic import RMSNorm, RotaryEmbedding, fused_ops
 from specserve.models.llama import DecoderLayer
 from specserve.models.registry import ArchConfig
 
@@ -172,10 +172,17 @@ class EagleHead(nn.Module):
                 meta: AttentionMetadata, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; hidden_states: [T, h], the target's hidden state one position
         back (or the head's own output, chain drafting; None = zeros) -> the head's outputs g [T, h]."""
-        e = self.embed(input_ids)
-        if hidden_states is None:
-            hidden_states = torch.zeros_like(e)
-        x = self.fc(torch.cat([self.embed_norm(e), self.hidden_norm(hidden_states)], dim=-1))
+        if input_ids.is_cuda and fused_ops() is not None:
+            from specserve.kernels.head_input import head_input  # (CUDA only)
+
+            # one kernel for the gather, both norms (one eps: both are cfg.rms_norm_eps) and the cat
+            x = self.fc(head_input(input_ids, self._embed, hidden_states, self.embed_norm.weight,
+                                   self.hidden_norm.weight, self.embed_norm.eps))
+        else:
+            e = self.embed(input_ids)
+            if hidden_states is None:
+                hidden_states = torch.zeros_like(e)
+            x = self.fc(torch.cat([self.embed_norm(e), self.hidden_norm(hidden_states)], dim=-1))
         x, residual = self.layers[0](positions, x, None, kv_caches[0], meta, self.backend)
         x, _ = self.norm(x, residual)
         return x
