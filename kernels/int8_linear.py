@@ -199,6 +199,11 @@ def timed_config(m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool = Fa
     return _TUNED.get(_tuning_key(m, n, k, dtype, has_bias))
 
 
+def _agrees(out: torch.Tensor, first: torch.Tensor) -> bool:
+    """Two candidates' outputs of one product: equal but for rounding (their sums' orders differ)."""
+    return torch.allclose(out.float(), first, rtol=2e-2, atol=2e-2 * float(first.abs().max()) + 1e-6)
+
+
 def _tuned_config(x2, weight, scale, bias, out) -> dict:
     """The fastest of `candidates(m)` for this shape class, timed on first use (the median of 5 launches,
     each after the L2 cache is overwritten, as a draft step's layers find their weights in memory; a
@@ -217,6 +222,7 @@ def _tuned_config(x2, weight, scale, bias, out) -> dict:
     t0, best = time.perf_counter(), None
     flush = torch.empty(2 * torch.cuda.get_device_properties(x2.device).L2_cache_size, dtype=torch.int8,
                         device=x2.device)  # written between launches: each reads its weights from memory
+    first = None  # the first candidate's output: every other must agree with it
     for candidate, gemv in candidates(m):
         cfg = int8_linear_config(m, candidate, gemv)
         try:
@@ -226,6 +232,12 @@ def _tuned_config(x2, weight, scale, bias, out) -> dict:
         except Exception as exc:  # noqa: BLE001 - a candidate this Triton cannot compile: time the others
             logger.warning("int8 linear kernel: candidate %s does not compile here (%s: %s); left out", cfg,
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            continue
+        if first is None:
+            first = out.float().clone()
+        elif not _agrees(out, first):
+            logger.warning("int8 linear kernel: candidate %s disagrees with %s on a %d x (%d x %d) product; left "
+                           "out", cfg, int8_linear_config(m), m, n, k)
             continue
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(5)]
         torch.cuda._sleep(2_000_000)  # the device spins (~1 ms) while the host queues the launches: the

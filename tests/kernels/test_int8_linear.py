@@ -67,6 +67,22 @@ def test_one_row_products_time_both_kernels_and_more_rows_the_tensor_cores_alone
         int8_linear_config(2, GEMV_CANDIDATES[0], gemv=True)
 
 
+def test_a_candidate_agrees_with_the_first_up_to_rounding_only():
+    """The first-use timing leaves out a candidate whose output is not the first candidate's up to rounding."""
+    from specserve.kernels.int8_linear import _agrees
+
+    x = torch.randn(3, 700, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_int8_rows(torch.randn(50, 700, generator=torch.Generator().manual_seed(1)))
+    first = int8_linear(x, q, s, config=int8_linear_config(3)).float()
+    for candidate in (CANDIDATES[3], CANDIDATES[-1]):  # other tiles, a split over K
+        assert _agrees(int8_linear(x.half(), q, s, config=int8_linear_config(3, candidate)), first)
+    assert _agrees(int8_linear(x[:1], q, s, config=int8_linear_config(1, GEMV_CANDIDATES[3], True)), first[:1])
+    wrong = first.clone()
+    wrong[1, 7] += 0.1 * first.abs().max()
+    assert not _agrees(wrong, first)
+    assert not _agrees(torch.zeros_like(first), first)
+
+
 def test_quantize_int8_rows_round_trips_within_half_a_step():
     w = torch.randn(17, 40)
     w[3] = 0.0  # an all-zero row: scale 1, zeros
