@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.checked import FirstUseChecked, all_equal
 from specserve.models.layers.attention import PAD_SLOT_ID
 from specserve.spec_decode.chain_positions import chain_positions_torch as ref_chain_positions  # noqa: F401 - the oracle
 
@@ -64,3 +65,16 @@ def chain_positions(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor,
             first, ks, tables, positions, slots, seq_lens, num_reqs, tables.stride(0), steps,
             BLOCK_SIZE=block_size, PAD_SLOT=PAD_SLOT_ID, BLOCK=BLOCK, num_warps=1)
     return positions, slots, seq_lens
+
+
+def _reference(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor, block_size: int, steps: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chain_positions`' arguments -> the torch reference's outputs (the chain graphs' ops before the kernel)."""
+    num_reqs, width = tables.shape
+    return ref_chain_positions(first, ks, tables.contiguous(), block_size,
+                               torch.arange(steps, device=first.device).unsqueeze(1),
+                               (torch.arange(num_reqs, device=first.device) * width).unsqueeze(0))
+
+
+# what the chain graphs call: the kernel, checked against the reference on its first call (kernels/checked.py)
+checked_chain_positions = FirstUseChecked("chain_positions", chain_positions, _reference, all_equal)

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.rms_norm import ref_rms_norm
+from specserve.kernels.checked import FirstUseChecked
+from specserve.kernels.rms_norm import ref_rms_norm, rms_norm
 
 
 @triton.jit
@@ -103,3 +104,21 @@ def ref_head_input(input_ids: torch.Tensor, embed_weight: torch.Tensor, hidden_s
         hidden_states = torch.zeros_like(e)
     return torch.cat([ref_rms_norm(e, embed_norm_weight, eps), ref_rms_norm(hidden_states, hidden_norm_weight, eps)],
                      dim=-1)
+
+
+def _unfused(input_ids: torch.Tensor, embed_weight: torch.Tensor, hidden_states: torch.Tensor | None,
+             embed_norm_weight: torch.Tensor, hidden_norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The head's CUDA ops before this kernel: the gather, two `rms_norm` launches and the cat."""
+    e = torch.nn.functional.embedding(input_ids, embed_weight)
+    if hidden_states is None:
+        hidden_states = torch.zeros_like(e)
+    return torch.cat([rms_norm(e, embed_norm_weight, eps), rms_norm(hidden_states, hidden_norm_weight, eps)], dim=-1)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and got.dtype == want.dtype and \
+        torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
+# what the head's forward calls: the kernel, checked against the unfused ops on its first call (kernels/checked.py)
+checked_head_input = FirstUseChecked("head_input", head_input, _unfused, _close)

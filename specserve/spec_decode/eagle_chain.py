@@ -99,7 +99,7 @@ class ChainGraphs:
 
     def _chain(self, batch: int, k: int) -> None:
         """The captured work: k drafts for the first `batch` requests of the buffers."""
-        from specserve.kernels.chain_positions import chain_positions as chain_positions_kernel  # (CUDA only)
+        from specserve.kernels.chain_positions import checked_chain_positions  # (CUDA only)
 
         head = self.head
         out = self.out0[:batch]
@@ -108,8 +108,8 @@ class ChainGraphs:
         head.pick_greedy(out, tokens[:, 0])
         if k == 1:
             return
-        positions, slots, seq_lens = chain_positions_kernel(self.seq_lens[:batch], self.ks[:batch], tables,
-                                                            self.block_size, k - 1)
+        positions, slots, seq_lens = checked_chain_positions(self.seq_lens[:batch], self.ks[:batch], tables,
+                                                             self.block_size, k - 1)
         for j in range(1, k):
             meta = AttentionMetadata(
                 num_reqs=batch, num_tokens=batch, max_query_len=1, max_seq_len=self.max_model_len,

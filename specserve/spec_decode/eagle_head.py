@@ -173,11 +173,11 @@ class EagleHead(nn.Module):
         """input_ids, positions: [T]; hidden_states: [T, h], the target's hidden state one position
         back (or the head's own output, chain drafting; None = zeros) -> the head's outputs g [T, h]."""
         if input_ids.is_cuda and fused_ops() is not None:
-            from specserve.kernels.head_input import head_input  # (CUDA only)
+            from specserve.kernels.head_input import checked_head_input  # (CUDA only)
 
             # one kernel for the gather, both norms (one eps: both are cfg.rms_norm_eps) and the cat
-            x = self.fc(head_input(input_ids, self._embed, hidden_states, self.embed_norm.weight,
-                                   self.hidden_norm.weight, self.embed_norm.eps))
+            x = self.fc(checked_head_input(input_ids, self._embed, hidden_states, self.embed_norm.weight,
+                                           self.hidden_norm.weight, self.embed_norm.eps))
         else:
             e = self.embed(input_ids)
             if hidden_states is None:
