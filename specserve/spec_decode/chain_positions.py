@@ -1,6 +1,6 @@
 """An EAGLE chain's step inputs for all of its steps, in torch ops: the oracle of the chain graphs' one
-Triton launch (kernels/chain_positions.py, which imports it; spec_decode/eagle_chain.py replays it). Torch
-only."""
+Triton launch (kernels/chain_positions.py, which imports it), and what the chain graphs replay instead where
+that kernel fails its first-use check (kernels/checked.py). Torch only."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +9,8 @@ from specserve.models.layers.attention import PAD_SLOT_ID
 
 
 def chain_positions_torch(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor, block_size: int,
-                    steps: torch.Tensor, table_rows: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          steps: torch.Tensor, table_rows: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every chain step's inputs at once, [k - 1, P] each, contiguous per step: positions (int64),
     KV slots (int64; PAD_SLOT_ID where a request is past its own k) and sequence lengths (int32).
     first: [P] L, the position of a request's first chain entry (any int dtype); ks: [P] int64 its
