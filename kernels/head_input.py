@@ -4,7 +4,7 @@ The head's forward (spec_decode/eagle_head.py) took four or five kernels for thi
 (the embedding gather, two RMSNorms, the cat, and zeros without hidden states), several times a
 drafting step. Here one program a token gathers its embedding row and normalizes it into columns
 [0, h) of the output, and its hidden state into [h, 2h) (zeros without hidden states: the norm of
-zeros). Each half's math is `_rms_norm_kernel`'s, op by op and with the same BLOCK and num_warps, so
+zeros). Each half's math is `_rms_norm_kernel`'s (`rms_norm_row`), with the same BLOCK and num_warps, so
 the output equals that kernel's on the two halves bit for bit. The reference, `ref_head_input`, is
 the torch ops the head runs on a CPU.
 """
@@ -15,18 +15,15 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.checked import FirstUseChecked
-from specserve.kernels.rms_norm import ref_rms_norm, rms_norm
+from specserve.kernels.rms_norm import ref_rms_norm, rms_norm, rms_norm_row
 
 
 @triton.jit
 def _norm_row(x_ptr, w_ptr, out_ptr, hidden, eps, BLOCK: tl.constexpr):
-    """One row at x_ptr -> RMSNorm(x) * w at out_ptr: `_rms_norm_kernel`'s math without a residual."""
+    """One row at x_ptr -> RMSNorm(x) * w at out_ptr (`rms_norm_row`)."""
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    h = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, 0) / hidden + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * h.to(x_ptr.dtype.element_ty).to(tl.float32)
+    out = rms_norm_row(tl.load(x_ptr + cols, mask=mask, other=0.0), w_ptr, cols, mask, hidden, eps)
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -12,6 +12,16 @@ import triton.language as tl
 
 
 @triton.jit
+def rms_norm_row(x, w_ptr, cols, mask, hidden, eps):
+    """One row's RMSNorm(x) * w in fp32, x loaded in the input dtype (masked columns 0): the norm in fp32,
+    rounded to x's dtype, then scaled. The row math of `_rms_norm_kernel` and of `head_input`'s kernel."""
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, 0) / hidden + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return w.to(tl.float32) * h.to(x.dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden]
     residual_ptr,  # [num_tokens, hidden] (HAS_RESIDUAL)
@@ -30,10 +40,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_rt + cols, mask=mask, other=0.0).to(
             tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_rot + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, 0) / hidden + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * h.to(x_ptr.dtype.element_ty).to(tl.float32)
+    out = rms_norm_row(x, weight_ptr, cols, mask, hidden, eps)
     tl.store(out_ptr + row * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
