@@ -93,23 +93,24 @@ def head_input(
     return out
 
 
-def ref_head_input(input_ids: torch.Tensor, embed_weight: torch.Tensor, hidden_states: torch.Tensor | None,
-                   embed_norm_weight: torch.Tensor, hidden_norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The oracle: the head's torch ops (embedding, `ref_rms_norm` on each half, zeros for no hidden states, cat)."""
+def _gather_norm_cat(norm, input_ids: torch.Tensor, embed_weight: torch.Tensor, hidden_states: torch.Tensor | None,
+                     embed_norm_weight: torch.Tensor, hidden_norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The head's input op by op: the embedding gather, `norm` on each half (zeros without hidden states), the cat."""
     e = torch.nn.functional.embedding(input_ids, embed_weight)
     if hidden_states is None:
         hidden_states = torch.zeros_like(e)
-    return torch.cat([ref_rms_norm(e, embed_norm_weight, eps), ref_rms_norm(hidden_states, hidden_norm_weight, eps)],
-                     dim=-1)
+    return torch.cat([norm(e, embed_norm_weight, eps), norm(hidden_states, hidden_norm_weight, eps)], dim=-1)
 
 
-def _unfused(input_ids: torch.Tensor, embed_weight: torch.Tensor, hidden_states: torch.Tensor | None,
-             embed_norm_weight: torch.Tensor, hidden_norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The head's CUDA ops before this kernel: the gather, two `rms_norm` launches and the cat."""
-    e = torch.nn.functional.embedding(input_ids, embed_weight)
-    if hidden_states is None:
-        hidden_states = torch.zeros_like(e)
-    return torch.cat([rms_norm(e, embed_norm_weight, eps), rms_norm(hidden_states, hidden_norm_weight, eps)], dim=-1)
+def ref_head_input(*args, **kwargs) -> torch.Tensor:
+    """The oracle (`head_input`'s arguments): the head's torch ops, `ref_rms_norm` on each half."""
+    return _gather_norm_cat(ref_rms_norm, *args, **kwargs)
+
+
+def _unfused(*args, **kwargs) -> torch.Tensor:
+    """The head's CUDA ops before this kernel (`head_input`'s arguments): the gather, two `rms_norm` launches,
+    the cat."""
+    return _gather_norm_cat(rms_norm, *args, **kwargs)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
