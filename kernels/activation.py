@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate, stride_xt, stride_ot, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate, stride_xt, stride_ot, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
@@ -34,7 +36,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         block = min(1024, triton.next_power_of_2(intermediate))
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
-            x, out, intermediate, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            x, out, intermediate, x.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_args(x.device))
     return out
 
 

@@ -16,6 +16,7 @@ import triton.language as tl
 from specserve.kernels.checked import FirstUseChecked, all_equal
 from specserve.models.layers.attention import PAD_SLOT_ID
 from specserve.spec_decode.chain_positions import chain_positions_torch as ref_chain_positions  # noqa: F401 - the oracle
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 
 BLOCK = 128  # requests a program: the chain graphs' largest batch (MAX_CHAIN_BATCH) in one
@@ -30,8 +31,9 @@ def _chain_positions_kernel(
     slots_ptr,  # [num_steps, P] int64, written
     seq_lens_ptr,  # [num_steps, P] int32, written
     num_reqs, table_stride, num_steps,
-    BLOCK_SIZE: tl.constexpr, PAD_SLOT: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PAD_SLOT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = p < num_reqs
     first = tl.load(first_ptr + p, mask=ok, other=1).to(tl.int64)
@@ -63,7 +65,7 @@ def chain_positions(first: torch.Tensor, ks: torch.Tensor, tables: torch.Tensor,
     if steps and num_reqs:
         _chain_positions_kernel[(triton.cdiv(num_reqs, BLOCK),)](
             first, ks, tables, positions, slots, seq_lens, num_reqs, tables.stride(0), steps,
-            BLOCK_SIZE=block_size, PAD_SLOT=PAD_SLOT_ID, BLOCK=BLOCK, num_warps=1)
+            BLOCK_SIZE=block_size, PAD_SLOT=PAD_SLOT_ID, BLOCK=BLOCK, num_warps=1, **pdl_args(first.device))
     return positions, slots, seq_lens
 
 

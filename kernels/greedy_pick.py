@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 BLOCK = 4096
 SPLIT_ABOVE, SPLIT_BLOCK = 2 * BLOCK, 2048  # a draft vocabulary's 8,192 stay one launch
@@ -46,7 +47,8 @@ def _first_max(v, offs, n):
 
 @triton.jit(do_not_specialize=["n"])
 def _greedy_pick_kernel(x_ptr, idx_ptr, vocab_ptr, out_ptr, n, stride_x, stride_out,
-                        HAS_IDX: tl.constexpr, HAS_VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_IDX: tl.constexpr, HAS_VOCAB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     best_val = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int64)
@@ -65,8 +67,9 @@ def _greedy_pick_kernel(x_ptr, idx_ptr, vocab_ptr, out_ptr, n, stride_x, stride_
 
 
 @triton.jit(do_not_specialize=["n"])
-def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, n, stride_x, num_chunks, BLOCK: tl.constexpr):
+def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, n, stride_x, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, c): the largest value of the row's chunk c and its first index, at [row, c]."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -90,7 +93,7 @@ def greedy_pick(logits: torch.Tensor, out: torch.Tensor, vocab: torch.Tensor | N
         num_chunks = triton.cdiv(n, SPLIT_BLOCK)
         val, idx = _partials(rows, num_chunks, logits.device)
         _chunk_max_kernel[(rows, num_chunks)](logits, val, idx, n, logits.stride(0), num_chunks, BLOCK=SPLIT_BLOCK,
-                                              num_warps=4)
+                                              num_warps=4, **pdl_args(logits.device))
         _launch_pick(val, idx, out, vocab)
     elif rows:
         _launch_pick(logits, None, out, vocab)
@@ -107,14 +110,16 @@ def _launch_pick(x: torch.Tensor, idx: torch.Tensor | None, out: torch.Tensor, v
     rows, n = x.shape
     _greedy_pick_kernel[(rows,)](x, idx if idx is not None else out, vocab if vocab is not None else out, out, n,
                                  x.stride(0), out.stride(0), HAS_IDX=idx is not None, HAS_VOCAB=vocab is not None,
-                                 BLOCK=BLOCK, num_warps=8)
+                                 BLOCK=BLOCK, num_warps=8, **pdl_args(x.device))
 
 
 @triton.jit(do_not_specialize=["rows", "n"])
 def _linear_max_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, rows, n, k, stride_h, stride_w, num_blocks,
-                       IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (b, p): rows p * BLOCK_R.. of hidden against weight rows b * BLOCK_N..: each row's
     largest logit there and the first index holding it, at [row, b] of val / idx."""
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,7 +168,8 @@ def linear_greedy_pick(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Te
     val, idx = _partials(rows, num_blocks, hidden.device)
     _linear_max_kernel[(num_blocks, triton.cdiv(rows, block_r))](
         hidden, weight, val, idx, rows, n, k, hidden.stride(0), weight.stride(0), num_blocks,
-        IEEE=weight.dtype == torch.float32, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        IEEE=weight.dtype == torch.float32, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **pdl_args(hidden.device))
     _launch_pick(val, idx, out, vocab)
     return out
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from specserve.kernels.checked import FirstUseChecked
 from specserve.kernels.rms_norm import ref_rms_norm, rms_norm, rms_norm_row
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -37,8 +38,9 @@ def _head_input_kernel(
     out_ptr,  # [num_tokens, 2 * hidden]
     hidden, eps,
     stride_i, stride_e, stride_ht, stride_ot,
-    HAS_HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_HIDDEN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     token = tl.load(ids_ptr + row * stride_i).to(tl.int64)
     out_row = out_ptr + row * stride_ot
@@ -89,7 +91,8 @@ def head_input(
             input_ids, embed_weight, hidden_states if has_hidden else embed_weight, embed_norm_weight,
             hidden_norm_weight, out, hidden, eps,
             input_ids.stride(0), embed_weight.stride(0), hidden_states.stride(0) if has_hidden else 0, out.stride(0),
-            HAS_HIDDEN=has_hidden, BLOCK=block, num_warps=min(16, max(1, block // 256)))  # as rms_norm's
+            HAS_HIDDEN=has_hidden, BLOCK=block, num_warps=min(16, max(1, block // 256)),  # as rms_norm's
+            **pdl_args(out.device))
     return out
 
 

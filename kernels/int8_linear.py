@@ -8,8 +8,10 @@ accumulates x @ w.T in fp32 on the tensor cores; the row scales apply once at th
 
 A layer with few output rows (N) and a long K gives a GPU too few tiles to keep its memory busy;
 split over K (SPLIT_K > 1) each tile's K range is shared by SPLIT_K programs, which write their scaled
-fp32 partial sums to a scratch buffer, and a second small kernel adds them in a fixed order (the
-result does not depend on which program finishes first) with the bias.
+fp32 partial sums to a scratch buffer and count themselves done on the tile's counter; the last one
+adds the SPLIT_K sums in split order (the result does not depend on which program finishes first)
+with the bias, in the same launch (a second kernel for the sums cost a launch, ~2-3 us inside a
+CUDA graph, as much as the split saved at one row), and sets the counter back to 0.
 
 One row (a chain step of one request) has a second kernel: a matrix-vector product on the CUDA cores
 (`_int8_gemv_kernel`: each program widens a [BLOCK_N, BLOCK_K] weight tile to fp32, multiplies it by
@@ -26,7 +28,33 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 from specserve.quant.int8_rows import int8_linear_torch as ref_int8_linear  # noqa: F401 - the oracle
+
+
+@triton.jit
+def _epilogue(acc, offs, out_offs, cols, mask, tile, pid_k, plane, bias_ptr, out_ptr, part_ptr, count_ptr,
+              HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Write a tile's scaled sums acc [R, BLOCK_N] (+ bias; cols [1, BLOCK_N]) at out_offs. Split over K,
+    this program's share goes to scratch plane pid_k (offs: within a plane of `plane` values), and the
+    tile's last program to count itself done adds the SPLIT_K shares in split order (the result does not
+    depend on which program finishes first), writes the tile and sets the tile's count back to 0 for
+    the next launch."""
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * plane + offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's share stored before the count goes up (released with it)
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + split * plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(count_ptr + tile, 0)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for any row count of a tile size
@@ -35,12 +63,15 @@ def _int8_linear_kernel(
     w_ptr,  # [N, K] int8
     scale_ptr,  # [N] fp32
     bias_ptr,  # [N] (HAS_BIAS)
-    out_ptr,  # [M, N]; split over K: [SPLIT_K, M, N] fp32 partial sums
+    out_ptr,  # [M, N]
+    part_ptr,  # split over K: [SPLIT_K, M, N] fp32 scratch for the splits' shares
+    count_ptr,  # split over K: [tiles] int32, 0 between launches
     M, N, K, K_SPLIT,  # K_SPLIT: the K range of one split, a multiple of BLOCK_K
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -60,15 +91,10 @@ def _int8_linear_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        part_ptrs = out_ptr + (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(part_ptrs, acc, mask=mask)
+    row_offs = rows[:, None].to(tl.int64)
+    _epilogue(acc, row_offs * N + cols[None, :], row_offs * stride_om + cols[None, :], cols[None, :],
+              (rows[:, None] < M) & (cols[None, :] < N), pid_m * tl.num_programs(0) + pid_n, pid_k, M * N,
+              bias_ptr, out_ptr, part_ptr, count_ptr, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -77,12 +103,15 @@ def _int8_gemv_kernel(
     w_ptr,  # [N, K] int8
     scale_ptr,  # [N] fp32
     bias_ptr,  # [N] (HAS_BIAS)
-    out_ptr,  # [1, N]; split over K: [SPLIT_K, 1, N] fp32 partial sums
+    out_ptr,  # [1, N]
+    part_ptr,  # split over K: [SPLIT_K, 1, N] fp32 scratch for the splits' shares
+    count_ptr,  # split over K: [tiles] int32, 0 between launches
     N, K, K_SPLIT,  # K_SPLIT: the K range of one split, a multiple of BLOCK_K
     stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = (w @ x) * scale (+ bias) for one row x, in fp32 on the CUDA cores."""
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_start = pid_k * K_SPLIT
@@ -98,27 +127,9 @@ def _int8_gemv_kernel(
         acc += tl.sum(w * x[None, :], axis=1)
         w_ptrs += BLOCK_K
     acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
-    else:
-        tl.store(out_ptr + pid_k.to(tl.int64) * N + cols, acc, mask=cols < N)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, :] = the SPLIT_K partial sums of row m, added in split order (+ bias)."""
-    row = tl.program_id(1).to(tl.int64)
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (split * M + row) * N + cols, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    offs = cols[None, :].to(tl.int64)  # row 0
+    _epilogue(acc[None, :], offs, offs, cols[None, :], cols[None, :] < N, pid_n, pid_k, N, bias_ptr, out_ptr,
+              part_ptr, count_ptr, HAS_BIAS, SPLIT_K)
 
 
 # (BLOCK_N, BLOCK_K, num_stages, SPLIT_K, num_warps) tried for every row bucket on a GPU; the first is also
@@ -135,6 +146,7 @@ WIDE_CANDIDATES = ((128, 64, 4, 1, 8), (128, 128, 3, 1, 8), (256, 64, 3, 1, 8), 
 # for one row; K-long tiles of a few rows: 16 bytes of each weight row per thread and load
 GEMV_CANDIDATES = ((16, 512, 3, 1, 4), (32, 256, 3, 1, 4), (8, 1024, 3, 1, 4), (16, 512, 3, 2, 4),
                    (32, 512, 2, 1, 8), (16, 256, 4, 4, 4))
+_COUNTS: dict[tuple, torch.Tensor] = {}  # (weight's address, device) -> its split launches' tile counts
 _TUNED: dict[tuple, dict] = {}  # (row bucket: 1 for one row, N, K, dtype, bias) -> the fastest config timed on this GPU
 logger = logging.getLogger(__name__)
 
@@ -170,24 +182,31 @@ def _launch(x2, weight, scale, bias, out, cfg: dict) -> None:
     gemv = cfg.pop("GEMV", False)
     split = cfg["SPLIT_K"]
     k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), 1 if gemv else triton.cdiv(m, cfg["BLOCK_M"]), split)
+    part, counts = (out, out) if split == 1 else (
+        torch.empty((split, m, n), dtype=torch.float32, device=out.device), _split_counts(weight, grid[0] * grid[1]))
     if gemv:
         if m != 1:
             raise ValueError(f"the one-row kernel takes one row, not {m}")
-        _int8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
-            x2, weight, scale, bias if bias is not None else scale, dest, n, k, k_split, weight.stride(0),
-            HAS_BIAS=bias is not None, **cfg)
+        _int8_gemv_kernel[(grid[0], split)](
+            x2, weight, scale, bias if bias is not None else scale, out, part, counts, n, k, k_split,
+            weight.stride(0), HAS_BIAS=bias is not None, **cfg, **pdl_args(out.device))
     else:
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
         _int8_linear_kernel[grid](
-            x2, weight, scale, bias if bias is not None else scale, dest, m, n, k, k_split,
+            x2, weight, scale, bias if bias is not None else scale, out, part, counts, m, n, k, k_split,
             x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            INPUT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", **cfg)
-    if split > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(n, block), m)](
-            dest, bias if bias is not None else scale, out, m, n, out.stride(0), SPLIT_K=split,
-            HAS_BIAS=bias is not None, BLOCK=block)
+            INPUT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", **cfg, **pdl_args(out.device))
+
+
+def _split_counts(weight: torch.Tensor, tiles: int) -> torch.Tensor:
+    """The per-tile counts of split launches over `weight`: zeros, one buffer per weight (a layer's
+    launches are ordered on its stream; each launch leaves the counts at 0). Allocated on a layer's
+    first split launch (the first-use timing runs before any CUDA graph capture)."""
+    key = (weight.data_ptr(), weight.device)
+    counts = _COUNTS.get(key)
+    if counts is None or counts.numel() < tiles:
+        counts = _COUNTS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=weight.device)
+    return counts
 
 
 def _tuning_key(m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool) -> tuple:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from specserve.engine.move_back import move_back_torch as ref_move_back  # noqa: F401 - the oracle
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 BLOCK = 128
 
@@ -33,8 +34,9 @@ def _move_back_kernel(
     reqs_ptr,  # [num_reqs] int64: each request's index into back (HAS_REQS)
     sources_ptr,  # [>= num_tokens] int64, written (HAS_SOURCES)
     num_tokens, num_reqs, table_stride,
-    BLOCK_SIZE: tl.constexpr, HAS_REQS: tl.constexpr, HAS_SOURCES: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_REQS: tl.constexpr, HAS_SOURCES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tok = offs < num_tokens
     row = tl.load(rows_ptr + offs, mask=tok, other=0)
@@ -75,7 +77,7 @@ def move_back(positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: tor
         positions, slot_mapping, seq_lens, block_tables, rows, back, rows if reqs is None else reqs,
         slot_mapping if sources is None else sources, num_tokens, num_reqs, block_tables.stride(0),
         BLOCK_SIZE=block_size, HAS_REQS=reqs is not None, HAS_SOURCES=sources is not None, BLOCK=BLOCK,
-        num_warps=1)
+        num_warps=1, **pdl_args(positions.device))
 
 
 def warm_up_move_back(device: torch.device, block_size: int) -> None:

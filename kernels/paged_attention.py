@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.attention_config import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, KernelConfig, select_configs
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 LOG2E = 1.4426950408889634
 M_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(M_INIT - M_INIT) stays 1, never NaN
@@ -97,8 +98,9 @@ def _paged_attention_kernel(
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PER_REQUEST: tl.constexpr, SKIP_Q_LEN: tl.constexpr, SLIDING: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -197,8 +199,10 @@ def _paged_attention_reduce_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     num_heads, stride_ot, stride_oh,
     BLOCK_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the split-K partial softmax states of the short launch's requests."""
+    pdl_prologue(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -313,7 +317,8 @@ def paged_attention(
     head_dim_pad = triton.next_power_of_2(head_dim)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     common = dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-                  HEAD_DIM_PAD=head_dim_pad, SLIDING=sliding_window is not None, INPUT_PRECISION=precision)
+                  HEAD_DIM_PAD=head_dim_pad, SLIDING=sliding_window is not None, INPUT_PRECISION=precision,
+                  **pdl_args(query.device))
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0),
                kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0))
     scale_log2 = float(scale) * LOG2E
@@ -337,7 +342,7 @@ def paged_attention(
         _paged_attention_reduce_kernel[(num_reqs, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, num_heads, out.stride(0), out.stride(1),
             BLOCK_Q=short_q, NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            num_warps=4 if head_dim_pad * splits >= 2048 else 1)
+            num_warps=4 if head_dim_pad * splits >= 2048 else 1, **pdl_args(out.device))
 
     # long launch: query tiles of the requests the short launch skipped
     if max_query_len > short_q:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -20,8 +21,9 @@ def _reshape_and_cache_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ckv, stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
@@ -76,7 +78,8 @@ def reshape_and_cache(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
-        BLOCK_SIZE=kv_cache.shape[2], num_warps=4 if heads_pad * dim_pad >= 1024 else 1)
+        BLOCK_SIZE=kv_cache.shape[2], num_warps=4 if heads_pad * dim_pad >= 1024 else 1,
+        **pdl_args(kv_cache.device))
 
 
 def ref_reshape_and_cache(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -30,8 +31,9 @@ def _rms_norm_kernel(
     residual_out_ptr,  # [num_tokens, hidden] (HAS_RESIDUAL)
     hidden, eps,
     stride_xt, stride_rt, stride_ot, stride_rot,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -66,7 +68,8 @@ def rms_norm(
         _rms_norm_kernel[(num_tokens,)](
             x, residual if residual is not None else x, weight, out, residual_out, hidden, eps,
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), residual_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            **pdl_args(x.device))
     return out if residual is None else (out, residual_out)
 
 

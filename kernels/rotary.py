@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -33,8 +34,9 @@ def _rotary_embedding_kernel(
     cos_ptr, sin_ptr,  # [max_positions, head_dim] fp32
     num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     cols = tl.arange(0, HALF_PAD)[None, :]
@@ -73,7 +75,7 @@ def rotary_embedding(
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), cos.stride(0),
             HALF=half, HALF_PAD=triton.next_power_of_2(half), Q_HEADS_PAD=triton.next_power_of_2(query.shape[1]),
-            K_HEADS_PAD=triton.next_power_of_2(key.shape[1]), num_warps=4)
+            K_HEADS_PAD=triton.next_power_of_2(key.shape[1]), num_warps=4, **pdl_args(query.device))
     return q_out, k_out
 
 

@@ -83,6 +83,21 @@ def test_a_candidate_agrees_with_the_first_up_to_rounding_only():
     assert not _agrees(torch.zeros_like(first), first)
 
 
+def test_a_split_launch_sets_its_tile_counts_back_to_zero():
+    """Split over K, a tile's last program adds the shares and sets the tile's count back: the next
+    launch over the same weights (a CUDA graph's replay too) starts from zeros and gives the same values."""
+    from specserve.kernels.int8_linear import _COUNTS
+
+    q, s = quantize_int8_rows(torch.randn(72, 1000, generator=torch.Generator().manual_seed(2)))
+    q, s = q.to(DEVICE), s.to(DEVICE)
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    config = int8_linear_config(3, next(c for c in CANDIDATES if c[3] > 1))
+    first = int8_linear(x, q, s, config=config)
+    counts = _COUNTS[(q.data_ptr(), q.device)]
+    assert not counts.any()
+    assert torch.equal(int8_linear(x, q, s, config=config), first) and not counts.any()
+
+
 def test_quantize_int8_rows_round_trips_within_half_a_step():
     w = torch.randn(17, 40)
     w[3] = 0.0  # an all-zero row: scale 1, zeros
@@ -123,6 +138,22 @@ def test_gpu_int8_one_row_kernel_bf16(n, k, candidate):
     """Each of the one-row kernel's tiles compiled and run (the first-use timing leaves out a candidate
     that does not compile: this test does not)."""
     _check(1, n, k, torch.bfloat16, bias=False, seed=n + sum(candidate), config=int8_linear_config(1, candidate, True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5])
+def test_gpu_split_launches_give_the_same_bits_every_time(m):
+    """Split over K, the shares are added in split order whichever program ends last: repeated launches
+    give identical bits, and each equals the oracle up to rounding."""
+    for candidate in [c for c in CANDIDATES if c[3] > 1]:
+        config = int8_linear_config(m, candidate)
+        _check(m, 6144, 4096, torch.bfloat16, bias=True, seed=m, config=config)
+        gen = torch.Generator().manual_seed(m)
+        q, s = quantize_int8_rows(torch.randn(4096, 4096, generator=gen))
+        q, s = q.to(DEVICE), s.to(DEVICE)
+        x = torch.randn(m, 4096, generator=gen).to(DEVICE, torch.bfloat16)
+        first = int8_linear(x, q, s, config=config)
+        assert all(torch.equal(int8_linear(x, q, s, config=config), first) for _ in range(20))
 
 
 def test_int8_layer_reads_int8_rows_up_to_its_row_limit_and_the_float_weights_past_it():

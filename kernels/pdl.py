@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (PDL) for the project's Triton kernels on Hopper and later GPUs.
+
+A decode step is hundreds of small kernels back to back (in CUDA graphs); each one starts only
+after the one before it has drained, so the device idles for the launch and prologue of every
+kernel. On sm_90 and later a kernel launched with PDL may be scheduled while the kernel before it
+in the stream is still running, and waits for it (`griddepcontrol.wait`: the earlier kernel has
+completed and its memory is visible) before it touches memory: the results do not change, the
+gap between kernels shrinks.
+
+Each of our kernels takes `PDL: tl.constexpr` and begins with `pdl_prologue(PDL)`: wait for the
+kernel before it, then let the next one be scheduled. What keeps it exact: every program of a
+kernel launched with PDL waits before its first load or store and before it can end. A kernel
+that ended without waiting would let the kernel after it start while the one before was still
+writing; so the wait is the first statement of every kernel, ahead of any early return. Kernels
+that are not ours (cuBLAS, torch's) launch as before: they start after the kernel before them has
+completed, and a kernel of ours after them waits for them.
+
+`SPECSERVE_PDL=0` launches every kernel as before (no wait compiled in); elsewhere than a CUDA GPU
+of compute capability 9.0 or later (Ampere, the Triton interpreter) PDL is off.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV = "SPECSERVE_PDL"
+_ON = {"PDL": True, "launch_pdl": True}  # the kernel's constexpr and Triton's launch option
+_OFF = {"PDL": False}
+_BY_DEVICE: dict[int, dict] = {}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """First statement of every kernel: under PDL, wait for the kernel before (its writes visible),
+    then allow the next kernel to be scheduled (it waits in turn)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL for kernels on `device`: a CUDA GPU of compute capability >= 9.0, not the Triton interpreter,
+    and SPECSERVE_PDL not 0 (read once per device and process)."""
+    return pdl_args(device) is _ON
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The launch keywords for one of our kernels on `device` (no copy: do not modify)."""
+    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else -1
+    args = _BY_DEVICE.get(index)
+    if args is None:
+        on = (index >= 0 and os.environ.get(ENV, "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+              and torch.cuda.get_device_capability(device)[0] >= 9)
+        args = _BY_DEVICE[index] = _ON if on else _OFF
+    return args
