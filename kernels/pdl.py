@@ -20,6 +20,7 @@ of compute capability 9.0 or later (Ampere, the Triton interpreter) PDL is off.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -30,6 +31,7 @@ ENV = "SPECSERVE_PDL"
 _ON = {"PDL": True, "launch_pdl": True}  # the kernel's constexpr and Triton's launch option
 _OFF = {"PDL": False}
 _BY_DEVICE: dict[int, dict] = {}
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -53,6 +55,26 @@ def pdl_args(device: torch.device) -> dict:
     args = _BY_DEVICE.get(index)
     if args is None:
         on = (index >= 0 and os.environ.get(ENV, "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
-              and torch.cuda.get_device_capability(device)[0] >= 9)
+              and torch.cuda.get_device_capability(index)[0] >= 9 and _launches(index))
         args = _BY_DEVICE[index] = _ON if on else _OFF
     return args
+
+
+@triton.jit
+def _probe_kernel(x_ptr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+def _launches(index: int) -> bool:
+    """Whether this Triton and driver compile and launch a kernel with PDL (a Triton without the launch
+    option, or a driver without the launch attribute, raises here): else PDL stays off, logged."""
+    if torch.cuda.is_current_stream_capturing():
+        return True  # nothing may be launched outside the graph now; the kernels' own launches will tell
+    try:
+        _probe_kernel[(1,)](torch.zeros(1, device=torch.device("cuda", index)), **_ON)
+        return True
+    except Exception as exc:  # noqa: BLE001 - any failure means: launch as before
+        logger.warning("programmatic dependent launch unavailable on cuda:%d (%s: %s); kernels launch without it",
+                       index, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
