@@ -67,12 +67,22 @@ def _probe_kernel(x_ptr, PDL: tl.constexpr):
 
 
 def _launches(index: int) -> bool:
-    """Whether this Triton and driver compile and launch a kernel with PDL (a Triton without the launch
-    option, or a driver without the launch attribute, raises here): else PDL stays off, logged."""
+    """Whether this Triton and driver compile, launch and capture in a CUDA graph kernels with PDL, and
+    whether they count right (a Triton without the launch option, a driver without the launch attribute
+    or its graph edges, raises here): else PDL stays off, logged."""
     if torch.cuda.is_current_stream_capturing():
         return True  # nothing may be launched outside the graph now; the kernels' own launches will tell
     try:
-        _probe_kernel[(1,)](torch.zeros(1, device=torch.device("cuda", index)), **_ON)
+        x = torch.zeros(1, device=torch.device("cuda", index))
+        for _ in range(2):
+            _probe_kernel[(1,)](x, **_ON)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(2):
+                _probe_kernel[(1,)](x, **_ON)
+        graph.replay()
+        if x.item() != 4:
+            raise RuntimeError(f"a probe counted {x.item()}, not 4")
         return True
     except Exception as exc:  # noqa: BLE001 - any failure means: launch as before
         logger.warning("programmatic dependent launch unavailable on cuda:%d (%s: %s); kernels launch without it",
