@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (kernels/pdl.py): on where it can be (a CUDA GPU of compute capability
-9.0 or later, SPECSERVE_PDL not 0, not the interpreter), off elsewhere; kernels launched with it give
+"""Programmatic dependent launch (kernels/pdl.py): on where asked for and possible (SPECSERVE_PDL=1, a CUDA
+GPU of compute capability 9.0 or later, not the interpreter), off elsewhere; kernels launched with it give
 exactly what they give without it, over a CUDA graph's long chains of dependent launches too."""
 from __future__ import annotations
 
@@ -26,8 +26,18 @@ def test_pdl_is_off_on_the_cpu_under_the_interpreter_and_when_switched_off(monke
     assert not pdl.pdl_enabled(cuda)
 
 
+def test_pdl_is_on_only_where_asked_for(monkeypatch):
+    monkeypatch.setattr(pdl, "_BY_DEVICE", {})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.setattr(pdl, "DEFAULT", "0")
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))  # decided without asking the device
+
+
 @pytest.mark.gpu
-def test_gpu_pdl_is_on_from_hopper_and_compiled_into_the_kernels():
+def test_gpu_pdl_is_on_from_hopper_and_compiled_into_the_kernels(monkeypatch):
+    monkeypatch.setattr(pdl, "_BY_DEVICE", {})
+    monkeypatch.setenv(pdl.ENV, "1")
     on = torch.cuda.get_device_capability()[0] >= 9
     assert pdl.pdl_enabled(DEVICE) is on
     x = torch.randn(3, 64, device=DEVICE)
@@ -49,9 +59,11 @@ def _chain(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, c
 
 @pytest.mark.gpu
 def test_gpu_a_graph_of_dependent_pdl_launches_equals_the_launches_without_pdl(monkeypatch):
-    """200 launches, each reading the previous one's output, replayed from a CUDA graph with PDL: bit for
-    bit what eager launches without PDL give (a launch that started reading before the one before it had
-    written would not)."""
+    """SPECSERVE_PDL=1: 200 launches, each reading the previous one's output, replayed from a CUDA graph
+    with PDL: bit for bit what eager launches without PDL give (a launch that started reading before the
+    one before it had written would not)."""
+    monkeypatch.setattr(pdl, "_BY_DEVICE", {})
+    monkeypatch.setenv(pdl.ENV, "1")
     gen = torch.Generator().manual_seed(0)
     q, s = quantize_int8_rows(torch.randn(512, 512, generator=gen))
     q, s = q.to(DEVICE), s.to(DEVICE)
