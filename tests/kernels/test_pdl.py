@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (kernels/pdl.py): on where asked for and possible (SPECSERVE_PDL=1, a CUDA
-GPU of compute capability 9.0 or later, not the interpreter), off elsewhere; kernels launched with it give
+"""Programmatic dependent launch (kernels/pdl.py): on where possible (a CUDA GPU of compute capability 9.0 or
+later, not the interpreter, SPECSERVE_PDL not 0), off elsewhere; kernels launched with it give
 exactly what they give without it, over a CUDA graph's long chains of dependent launches too."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_pdl_is_off_on_the_cpu_under_the_interpreter_and_when_switched_off(monke
     assert not pdl.pdl_enabled(cuda)
 
 
-def test_pdl_is_on_only_where_asked_for(monkeypatch):
+def test_the_default_decides_where_the_switch_is_unset(monkeypatch):
     monkeypatch.setattr(pdl, "_BY_DEVICE", {})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(pdl.ENV, raising=False)
