@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.checked import FirstUseChecked, all_equal
+from specserve.kernels.pdl import pdl_args, pdl_prologue
 from specserve.models.layers.attention import PAD_SLOT_ID
 from specserve.spec_decode.chain_positions import chain_positions_torch as ref_chain_positions  # noqa: F401 - the oracle
-from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 
 BLOCK = 128  # requests a program: the chain graphs' largest batch (MAX_CHAIN_BATCH) in one

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.checked import FirstUseChecked
-from specserve.kernels.rms_norm import ref_rms_norm, rms_norm, rms_norm_row
 from specserve.kernels.pdl import pdl_args, pdl_prologue
+from specserve.kernels.rms_norm import ref_rms_norm, rms_norm, rms_norm_row
 
 
 @triton.jit

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from specserve.kernels.pdl import pdl_args, pdl_prologue
 
 
