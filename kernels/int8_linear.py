@@ -147,6 +147,7 @@ WIDE_CANDIDATES = ((128, 64, 4, 1, 8), (128, 128, 3, 1, 8), (256, 64, 3, 1, 8), 
 GEMV_CANDIDATES = ((16, 512, 3, 1, 4), (32, 256, 3, 1, 4), (8, 1024, 3, 1, 4), (16, 512, 3, 2, 4),
                    (32, 512, 2, 1, 8), (16, 256, 4, 4, 4))
 _COUNTS: dict[tuple, torch.Tensor] = {}  # (weight's address, device) -> its split launches' tile counts
+_RETIRED: list[torch.Tensor] = []  # count buffers outgrown, kept for the graphs that captured them
 _TUNED: dict[tuple, dict] = {}  # (row bucket: 1 for one row, N, K, dtype, bias) -> the fastest config timed on this GPU
 logger = logging.getLogger(__name__)
 
@@ -201,11 +202,16 @@ def _launch(x2, weight, scale, bias, out, cfg: dict) -> None:
 def _split_counts(weight: torch.Tensor, tiles: int) -> torch.Tensor:
     """The per-tile counts of split launches over `weight`: zeros, one buffer per weight (a layer's
     launches are ordered on its stream; each launch leaves the counts at 0). Allocated on a layer's
-    first split launch (the first-use timing runs before any CUDA graph capture)."""
+    first split launch (the first-use timing runs before any CUDA graph capture), for the tiles of up
+    to 64 rows at the narrowest tiles; a launch with more tiles gets a larger buffer, and the smaller
+    one is kept (a captured CUDA graph may still count on it)."""
     key = (weight.data_ptr(), weight.device)
     counts = _COUNTS.get(key)
     if counts is None or counts.numel() < tiles:
-        counts = _COUNTS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=weight.device)
+        if counts is not None:
+            _RETIRED.append(counts)
+        size = max(tiles, triton.cdiv(weight.shape[0], 8) * 4)
+        counts = _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=weight.device)
     return counts
 
 

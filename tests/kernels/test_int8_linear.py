@@ -96,6 +96,13 @@ def test_a_split_launch_sets_its_tile_counts_back_to_zero():
     counts = _COUNTS[(q.data_ptr(), q.device)]
     assert not counts.any()
     assert torch.equal(int8_linear(x, q, s, config=config), first) and not counts.any()
+    # more rows, more tiles than the buffer holds: a larger one, the first kept for graphs that captured it
+    from specserve.kernels.int8_linear import _RETIRED
+
+    many = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(4)).to(DEVICE)  # 16 x 3 tiles > 36
+    out = int8_linear(many, q, s, config=int8_linear_config(1000, next(c for c in CANDIDATES if c[3] > 1)))
+    torch.testing.assert_close(out, ref_int8_linear(many, q, s), atol=1e-3, rtol=1e-3)
+    assert any(c is counts for c in _RETIRED) and _COUNTS[(q.data_ptr(), q.device)].numel() > counts.numel()
 
 
 def test_quantize_int8_rows_round_trips_within_half_a_step():
