@@ -12,6 +12,7 @@ from specserve.kernels.int8_linear import (CANDIDATES, GEMV_CANDIDATES, WIDE_CAN
 from specserve.quant.int8_rows import quantize_int8_rows
 
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
+SPLITS = [c for c in CANDIDATES if c[3] > 1]  # the tilings split over K
 
 
 def _check(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int, config: dict | None = None) -> None:
@@ -37,7 +38,7 @@ def test_int8_linear_matches_the_oracle(m, n, k, bias, dtype):
     _check(m, n, k, dtype, bias, seed=m * n + k, config=int8_linear_config(m))
 
 
-@pytest.mark.parametrize("candidate", [c for c in CANDIDATES if c[3] > 1])
+@pytest.mark.parametrize("candidate", SPLITS)
 @pytest.mark.parametrize("m,n,k,bias", [(3, 72, 1000, True), (16, 40, 300, False)])
 def test_int8_linear_split_over_k_matches_the_oracle(m, n, k, bias, candidate):
     """Each split-over-K tiling: K ranges that end mid-tile, splits left with no K at all (300 over 8
@@ -86,21 +87,19 @@ def test_a_candidate_agrees_with_the_first_up_to_rounding_only():
 def test_a_split_launch_sets_its_tile_counts_back_to_zero():
     """Split over K, a tile's last program adds the shares and sets the tile's count back: the next
     launch over the same weights (a CUDA graph's replay too) starts from zeros and gives the same values."""
-    from specserve.kernels.int8_linear import _COUNTS
+    from specserve.kernels.int8_linear import _COUNTS, _RETIRED
 
     q, s = quantize_int8_rows(torch.randn(72, 1000, generator=torch.Generator().manual_seed(2)))
     q, s = q.to(DEVICE), s.to(DEVICE)
     x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    config = int8_linear_config(3, next(c for c in CANDIDATES if c[3] > 1))
+    config = int8_linear_config(3, SPLITS[0])
     first = int8_linear(x, q, s, config=config)
     counts = _COUNTS[(q.data_ptr(), q.device)]
     assert not counts.any()
     assert torch.equal(int8_linear(x, q, s, config=config), first) and not counts.any()
     # more rows, more tiles than the buffer holds: a larger one, the first kept for graphs that captured it
-    from specserve.kernels.int8_linear import _RETIRED
-
     many = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(4)).to(DEVICE)  # 16 x 3 tiles > 36
-    out = int8_linear(many, q, s, config=int8_linear_config(1000, next(c for c in CANDIDATES if c[3] > 1)))
+    out = int8_linear(many, q, s, config=int8_linear_config(1000, SPLITS[0]))
     torch.testing.assert_close(out, ref_int8_linear(many, q, s), atol=1e-3, rtol=1e-3)
     assert any(c is counts for c in _RETIRED) and _COUNTS[(q.data_ptr(), q.device)].numel() > counts.numel()
 
@@ -152,7 +151,7 @@ def test_gpu_int8_one_row_kernel_bf16(n, k, candidate):
 def test_gpu_split_launches_give_the_same_bits_every_time(m):
     """Split over K, the shares are added in split order whichever program ends last: repeated launches
     give identical bits, and each equals the oracle up to rounding."""
-    for candidate in [c for c in CANDIDATES if c[3] > 1]:
+    for candidate in SPLITS:
         config = int8_linear_config(m, candidate)
         _check(m, 6144, 4096, torch.bfloat16, bias=True, seed=m, config=config)
         gen = torch.Generator().manual_seed(m)
