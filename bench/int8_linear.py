@@ -10,6 +10,11 @@ together exceed the GPU's L2 cache (as a draft step's layers, each read once, do
 achieved bandwidth = weight bytes / time;
 `config`: the tiles the kernel timed fastest for the case (its own tuning, on first use).
 Correctness: each case's int8 output against the fp32 oracle.
+
+`--norm-before`: each call is an RMSNorm of the row(s) and then the product (bf16 and int8 alike), as a
+head's qkv, gate_up and LM head follow a norm: on a GPU with programmatic dependent launch (kernels/pdl.py)
+the product's programs then start during the norm and prefetch their first weight lines
+(`SPECSERVE_INT8_PREFETCH=0` against the default is that prefetch's A/B).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from specserve.kernels.int8_linear import int8_linear, ref_int8_linear, timed_config
+from specserve.kernels.rms_norm import rms_norm
 from specserve.quant.int8_rows import quantize_int8_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -54,17 +60,19 @@ def cycled(fn, weights: list) -> callable:
     return call
 
 
-def case(name: str, w: torch.Tensor, m: int, l2_bytes: int) -> dict:
+def case(name: str, w: torch.Tensor, m: int, l2_bytes: int, norm_before: bool = False) -> dict:
     """One shape at m rows: the row of the results table."""
     n, k = w.shape
     q, s = quantize_int8_rows(w)
     x = torch.randn(m, k, device=w.device, dtype=w.dtype)
     ref = ref_int8_linear(x, q, s).float()
     ws, qs = copies(w, l2_bytes), copies(q, l2_bytes)
+    gain = torch.ones(k, device=w.device, dtype=w.dtype)
+    inp = (lambda: rms_norm(x, gain, 1e-5)) if norm_before else (lambda: x)
     row = {"shape": name, "N": n, "K": k, "M": m,
            "max_err": (int8_linear(x, q, s).float() - ref).abs().max().item(), "ref_max": ref.abs().max().item(),
-           "bf16_ms": timed(cycled(lambda w_: torch.nn.functional.linear(x, w_), ws)),
-           "int8_ms": timed(cycled(lambda q_: int8_linear(x, q_, s), qs))}
+           "bf16_ms": timed(cycled(lambda w_: torch.nn.functional.linear(inp(), w_), ws)),
+           "int8_ms": timed(cycled(lambda q_: int8_linear(inp(), q_, s), qs))}
     row["config"] = timed_config(m, n, k, x.dtype)
     row["bf16_gbps"] = round(n * k * 2 / row["bf16_ms"] / 1e6, 1)
     row["int8_gbps"] = round(n * k / row["int8_ms"] / 1e6, 1)
@@ -79,6 +87,7 @@ def main() -> None:
                     "copy of the weights, which a small layer's calls then find in L2")
     ap.add_argument("--tensor-cores-only", action="store_true", help="time the tensor-core kernel's tiles alone, "
                     "also for one row (the one-row kernel left out: the code before it, for an A/B in one call)")
+    ap.add_argument("--norm-before", action="store_true", help="an RMSNorm before each product (timed with it)")
     args = ap.parse_args()
     if args.tensor_cores_only:
         import specserve.kernels.int8_linear as kernel
@@ -86,11 +95,11 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "l2_mb": args.l2_mb,
-           "tensor_cores_only": args.tensor_cores_only, "cases": []}
+           "tensor_cores_only": args.tensor_cores_only, "norm_before": args.norm_before, "cases": []}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         for m in args.rows:
-            row = case(name, w, m, int(args.l2_mb * 2**20))
+            row = case(name, w, m, int(args.l2_mb * 2**20), args.norm_before)
             print(json.dumps(row), flush=True)
             out["cases"].append(row)
     total = {m: (sum(r["bf16_ms"] for r in out["cases"] if r["M"] == m and r["shape"] != "fuse"),

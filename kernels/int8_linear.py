@@ -17,10 +17,20 @@ One row (a chain step of one request) has a second kernel: a matrix-vector produ
 (`_int8_gemv_kernel`: each program widens a [BLOCK_N, BLOCK_K] weight tile to fp32, multiplies it by
 the row and sums along K), which stages no tile for the tensor cores and pads no row to 16. Which of
 the two kernels and which tiles a shape gets is timed on first use (`_tuned_config`).
+
+Launched with programmatic dependent launch (kernels/pdl.py), a product's programs are scheduled while
+the kernel before it (a norm, the attention, the activation) still runs, and wait for it. Before that
+wait they ask the L2 cache for the first lines of their weight rows (`prefetch.global.L2`, no registers
+held): the weights' stream from memory starts while the kernel before finishes, where without it every
+product's first loads wait a memory latency after the kernel before has ended. No kernel writes the
+weights, so their prefetch needs no wait. The lines prefetched are capped at a quarter of the L2 a
+launch (`prefetch_lines`), so they are not evicted before they are read; SPECSERVE_INT8_PREFETCH=0
+switches the prefetch off.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -28,8 +38,19 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from specserve.kernels.pdl import pdl_args, pdl_prologue
+from specserve.kernels.pdl import pdl_args, pdl_enabled, pdl_prologue
 from specserve.quant.int8_rows import int8_linear_torch as ref_int8_linear  # noqa: F401 - the oracle
+
+
+@triton.jit
+def _prefetch_weights(w_ptr, rows, k_start, k_end, N, stride_wn, LINES: tl.constexpr):
+    """Ask the L2 for the first LINES 128-byte lines of each of this program's weight rows [rows] in
+    [k_start, k_end): prefetches, nothing waits for them or holds a register."""
+    offs = k_start + tl.arange(0, LINES) * 128
+    inside = (rows[:, None] < N) & (offs[None, :] < k_end)
+    at = tl.where(inside, rows[:, None].to(tl.int64) * stride_wn + offs[None, :], 0)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_ptr + at], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -70,15 +91,18 @@ def _int8_linear_kernel(
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,  # lines of each weight row to prefetch before the PDL wait (0: none)
 ):
-    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH > 0:
+        _prefetch_weights(w_ptr, cols, k_start, k_end, N, stride_wn, PREFETCH)
+    pdl_prologue(PDL)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_start + ks)[None, :]
     w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k_start + ks)[:, None]  # [BLOCK_K, BLOCK_N]: w.T
@@ -109,14 +133,17 @@ def _int8_gemv_kernel(
     N, K, K_SPLIT,  # K_SPLIT: the K range of one split, a multiple of BLOCK_K
     stride_wn,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,  # lines of each weight row to prefetch before the PDL wait (0: none)
 ):
     """out = (w @ x) * scale (+ bias) for one row x, in fp32 on the CUDA cores."""
-    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH > 0:
+        _prefetch_weights(w_ptr, cols, k_start, k_end, N, stride_wn, PREFETCH)
+    pdl_prologue(PDL)
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]  # [BLOCK_N, BLOCK_K]
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -146,6 +173,9 @@ WIDE_CANDIDATES = ((128, 64, 4, 1, 8), (128, 128, 3, 1, 8), (256, 64, 3, 1, 8), 
 # for one row; K-long tiles of a few rows: 16 bytes of each weight row per thread and load
 GEMV_CANDIDATES = ((16, 512, 3, 1, 4), (32, 256, 3, 1, 4), (8, 1024, 3, 1, 4), (16, 512, 3, 2, 4),
                    (32, 512, 2, 1, 8), (16, 256, 4, 4, 4))
+PREFETCH_ENV = "SPECSERVE_INT8_PREFETCH"
+MAX_PREFETCH_LINES = 32  # of one weight row a program: 4 KiB
+_L2_BYTES: dict[int, int] = {}  # device index -> its L2's bytes, 0 where the prefetch is off
 _COUNTS: dict[tuple, torch.Tensor] = {}  # (weight's address, device) -> its split launches' tile counts
 _RETIRED: list[torch.Tensor] = []  # count buffers outgrown, kept for the graphs that captured them
 _TUNED: dict[tuple, dict] = {}  # (row bucket: 1 for one row, N, K, dtype, bias) -> the fastest config timed on this GPU
@@ -177,12 +207,33 @@ def int8_linear_config(m: int, candidate: Candidate = CANDIDATES[0], gemv: bool 
                 num_stages=stages)
 
 
+def prefetch_lines(n: int, k_split: int, split: int, l2_bytes: int) -> int:
+    """The 128-byte lines of each weight row a program prefetches: a power of 2, at most a split's row
+    (k_split bytes) and MAX_PREFETCH_LINES, with all n * split programs' rows together at most a quarter
+    of the L2 (what is prefetched should still be there when it is read); 0 for none."""
+    lines = min(l2_bytes // 4 // (n * split * 128), triton.cdiv(k_split, 128), MAX_PREFETCH_LINES)
+    return 1 << (lines.bit_length() - 1) if lines > 0 else 0
+
+
+def _l2_bytes(device: torch.device) -> int:
+    """The L2's size on `device` where products prefetch weights (PDL on, SPECSERVE_INT8_PREFETCH not 0),
+    else 0."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    size = _L2_BYTES.get(index)
+    if size is None:
+        on = pdl_enabled(device) and os.environ.get(PREFETCH_ENV, "1") != "0"
+        size = _L2_BYTES[index] = torch.cuda.get_device_properties(index).L2_cache_size if on else 0
+    return size
+
+
 def _launch(x2, weight, scale, bias, out, cfg: dict) -> None:
     m, (n, k) = x2.shape[0], weight.shape
     cfg = dict(cfg)
     gemv = cfg.pop("GEMV", False)
     split = cfg["SPLIT_K"]
     k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    pdl = pdl_args(out.device)
+    lines = prefetch_lines(n, k_split, split, _l2_bytes(out.device)) if pdl["PDL"] else 0
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), 1 if gemv else triton.cdiv(m, cfg["BLOCK_M"]), split)
     part, counts = (out, out) if split == 1 else (
         torch.empty((split, m, n), dtype=torch.float32, device=out.device), _split_counts(weight, grid[0] * grid[1]))
@@ -191,12 +242,12 @@ def _launch(x2, weight, scale, bias, out, cfg: dict) -> None:
             raise ValueError(f"the one-row kernel takes one row, not {m}")
         _int8_gemv_kernel[(grid[0], split)](
             x2, weight, scale, bias if bias is not None else scale, out, part, counts, n, k, k_split,
-            weight.stride(0), HAS_BIAS=bias is not None, **cfg, **pdl_args(out.device))
+            weight.stride(0), HAS_BIAS=bias is not None, **cfg, **pdl, PREFETCH=lines)
     else:
         _int8_linear_kernel[grid](
             x2, weight, scale, bias if bias is not None else scale, out, part, counts, m, n, k, k_split,
             x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            INPUT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", **cfg, **pdl_args(out.device))
+            INPUT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", **cfg, **pdl, PREFETCH=lines)
 
 
 def _split_counts(weight: torch.Tensor, tiles: int) -> torch.Tensor:

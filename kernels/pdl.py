@@ -11,7 +11,8 @@ Each of our kernels takes `PDL: tl.constexpr` and begins with `pdl_prologue(PDL)
 kernel before it, then let the next one be scheduled. What keeps it exact: every program of a
 kernel launched with PDL waits before its first load or store and before it can end. A kernel
 that ended without waiting would let the kernel after it start while the one before was still
-writing; so the wait is the first statement of every kernel, ahead of any early return. Kernels
+writing; so the wait comes ahead of every load, store and early return of every kernel (only an L2
+prefetch of weights no kernel writes may come before it: kernels/int8_linear.py). Kernels
 that are not ours (cuBLAS, torch's) launch as before: they start after the kernel before them has
 completed, and a kernel of ours after them waits for them.
 
@@ -39,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    """First statement of every kernel: under PDL, wait for the kernel before (its writes visible),
-    then allow the next kernel to be scheduled (it waits in turn)."""
+    """Ahead of every load, store and return of every kernel: under PDL, wait for the kernel before (its
+    writes visible), then allow the next kernel to be scheduled (it waits in turn)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -2,13 +2,17 @@
 whose dots the interpreter computes exactly as numpy does; bf16 on a GPU)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 from tests.kernels.conftest import DEVICE
 
-from specserve.kernels.int8_linear import (CANDIDATES, GEMV_CANDIDATES, WIDE_CANDIDATES, candidates, int8_linear,
-                                           int8_linear_config, ref_int8_linear)
+from specserve.kernels.int8_linear import (CANDIDATES, GEMV_CANDIDATES, MAX_PREFETCH_LINES, WIDE_CANDIDATES, candidates,
+                                           int8_linear, int8_linear_config, prefetch_lines, ref_int8_linear)
 from specserve.quant.int8_rows import quantize_int8_rows
 
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}
@@ -104,6 +108,57 @@ def test_a_split_launch_sets_its_tile_counts_back_to_zero():
     assert any(c is counts for c in _RETIRED) and _COUNTS[(q.data_ptr(), q.device)].numel() > counts.numel()
 
 
+def test_prefetched_lines_fit_a_quarter_of_the_l2_and_a_split_of_a_row():
+    l2 = 50 * 2**20  # an H100's / H200's L2
+    assert prefetch_lines(4096, 2048, 2, l2) == 8  # an 8B head's o, split in 2: 8 MiB of its 16 MiB
+    assert prefetch_lines(32768, 4096, 1, l2) == 2  # its draft LM head: 8 MiB of 128 MiB
+    assert prefetch_lines(576, 576, 1, l2) == 4  # a small layer: all of each row (5 lines, a power of 2 below)
+    assert prefetch_lines(64, 1 << 20, 1, l2) == MAX_PREFETCH_LINES
+    assert prefetch_lines(1 << 20, 4096, 1, l2) == 0  # more rows than a line each fits: none
+    for n, k_split, split in ((4096, 2048, 2), (6144, 4096, 1), (4096, 3584, 4), (1000, 512, 8)):
+        lines = prefetch_lines(n, k_split, split, l2)
+        assert lines & (lines - 1) == 0 and n * split * lines * 128 <= l2 // 4 and (lines - 1) * 128 < k_split
+
+
+_SM90_PTX = textwrap.dedent("""
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from specserve.kernels.int8_linear import _int8_gemv_kernel, _int8_linear_kernel
+
+    common = dict(w_ptr="*i8", scale_ptr="*fp32", bias_ptr="*fp32", part_ptr="*fp32", count_ptr="*i32",
+                  N="i32", K="i32", K_SPLIT="i32", stride_wn="i32")
+    kernels = {_int8_linear_kernel: dict(x_ptr="*bf16", out_ptr="*bf16", M="i32", stride_xm="i32", stride_om="i32"),
+               _int8_gemv_kernel: dict(x_ptr="*bf16", out_ptr="*bf16")}
+    tiles = {_int8_linear_kernel: dict(INPUT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256),
+             _int8_gemv_kernel: dict(BLOCK_N=16, BLOCK_K=512)}
+    for kernel, own in kernels.items():
+        for prefetch in (8, 0):
+            constants = dict(tiles[kernel], HAS_BIAS=False, SPLIT_K=2, PDL=True, PREFETCH=prefetch)
+            types = {**common, **own}
+            signature = {name: "constexpr" if name in constants else types[name] for name in kernel.arg_names}
+            at = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+            src = ASTSource(kernel, signature, constexprs=at)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+            print(kernel.__name__, prefetch, ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait"))
+""")
+
+
+def test_products_prefetch_their_weights_before_the_pdl_wait_in_hopper_code():
+    """Compiled for sm_90 (no GPU needed: Triton's own compiler, in a process without the interpreter),
+    both kernels with PREFETCH ask the L2 for weight lines before `griddepcontrol.wait`, and without it
+    do not."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_PTX], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split() for line in run.stdout.splitlines()]
+    assert [(name, prefetch) for name, prefetch, *_ in rows] == [(name, prefetch) for name in (
+        "_int8_linear_kernel", "_int8_gemv_kernel") for prefetch in ("8", "0")]
+    for name, prefetch, at, wait in rows:
+        assert int(wait) >= 0 and ((0 <= int(at) < int(wait)) if prefetch != "0" else int(at) == -1), (name, prefetch)
+
+
 def test_quantize_int8_rows_round_trips_within_half_a_step():
     w = torch.randn(17, 40)
     w[3] = 0.0  # an all-zero row: scale 1, zeros
@@ -160,6 +215,37 @@ def test_gpu_split_launches_give_the_same_bits_every_time(m):
         x = torch.randn(m, 4096, generator=gen).to(DEVICE, torch.bfloat16)
         first = int8_linear(x, q, s, config=config)
         assert all(torch.equal(int8_linear(x, q, s, config=config), first) for _ in range(20))
+
+
+@pytest.mark.gpu
+def test_gpu_products_prefetching_their_weights_give_the_same_bits(monkeypatch):
+    """With PDL on (SPECSERVE_PDL=1, Hopper) a product prefetches its weight lines before the wait; the
+    outputs are those of the same tiles without the prefetch, after a norm launched with PDL too."""
+    import specserve.kernels.int8_linear as kernel
+    from specserve.kernels import pdl
+    from specserve.kernels.rms_norm import rms_norm
+
+    monkeypatch.setattr(pdl, "_BY_DEVICE", {})
+    monkeypatch.setattr(kernel, "_L2_BYTES", {})
+    monkeypatch.setenv(pdl.ENV, "1")
+    monkeypatch.delenv(kernel.PREFETCH_ENV, raising=False)
+    if not pdl.pdl_enabled(DEVICE):
+        pytest.skip("no PDL before Hopper: nothing is prefetched")
+    assert kernel._l2_bytes(DEVICE) > 0
+    gen = torch.Generator().manual_seed(5)
+    q, s = quantize_int8_rows(torch.randn(6144, 4096, generator=gen))
+    q, s = q.to(DEVICE), s.to(DEVICE)
+    x = torch.randn(5, 4096, generator=gen).to(DEVICE, torch.bfloat16)
+    gain = torch.ones(4096, device=DEVICE, dtype=torch.bfloat16)
+    configs = [int8_linear_config(5, c) for c in (CANDIDATES[0], SPLITS[0])]
+    configs += [int8_linear_config(1, c, gemv=True) for c in (GEMV_CANDIDATES[0], GEMV_CANDIDATES[3])]
+    for config in configs:
+        rows = x[:1] if config.get("GEMV") else x
+        monkeypatch.setitem(kernel._L2_BYTES, DEVICE.index or 0, 50 * 2**20)
+        got = [int8_linear(rms_norm(rows, gain, 1e-5), q, s, config=config) for _ in range(3)]
+        monkeypatch.setitem(kernel._L2_BYTES, DEVICE.index or 0, 0)
+        want = int8_linear(rms_norm(rows, gain, 1e-5), q, s, config=config)
+        assert all(torch.equal(g, want) for g in got), config
 
 
 def test_int8_layer_reads_int8_rows_up_to_its_row_limit_and_the_float_weights_past_it():
