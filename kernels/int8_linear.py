@@ -24,8 +24,8 @@ wait they ask the L2 cache for the first lines of their weight rows (`prefetch.g
 held): the weights' stream from memory starts while the kernel before finishes, where without it every
 product's first loads wait a memory latency after the kernel before has ended. No kernel writes the
 weights, so their prefetch needs no wait. The lines prefetched are capped at a quarter of the L2 a
-launch (`prefetch_lines`), so they are not evicted before they are read; SPECSERVE_INT8_PREFETCH=0
-switches the prefetch off.
+launch (`prefetch_lines`), so they are not evicted before they are read. Off unless
+SPECSERVE_INT8_PREFETCH=1 (PREFETCH_DEFAULT) until measured on a GPU.
 """
 from __future__ import annotations
 
@@ -174,6 +174,7 @@ WIDE_CANDIDATES = ((128, 64, 4, 1, 8), (128, 128, 3, 1, 8), (256, 64, 3, 1, 8), 
 GEMV_CANDIDATES = ((16, 512, 3, 1, 4), (32, 256, 3, 1, 4), (8, 1024, 3, 1, 4), (16, 512, 3, 2, 4),
                    (32, 512, 2, 1, 8), (16, 256, 4, 4, 4))
 PREFETCH_ENV = "SPECSERVE_INT8_PREFETCH"
+PREFETCH_DEFAULT = "0"  # SPECSERVE_INT8_PREFETCH when unset
 MAX_PREFETCH_LINES = 32  # of one weight row a program: 4 KiB
 _L2_BYTES: dict[int, int] = {}  # device index -> its L2's bytes, 0 where the prefetch is off
 _COUNTS: dict[tuple, torch.Tensor] = {}  # (weight's address, device) -> its split launches' tile counts
@@ -216,12 +217,12 @@ def prefetch_lines(n: int, k_split: int, split: int, l2_bytes: int) -> int:
 
 
 def _l2_bytes(device: torch.device) -> int:
-    """The L2's size on `device` where products prefetch weights (PDL on, SPECSERVE_INT8_PREFETCH not 0),
-    else 0."""
+    """The L2's size on `device` where products prefetch weights (PDL on, SPECSERVE_INT8_PREFETCH or
+    PREFETCH_DEFAULT not 0), else 0."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     size = _L2_BYTES.get(index)
     if size is None:
-        on = pdl_enabled(device) and os.environ.get(PREFETCH_ENV, "1") != "0"
+        on = pdl_enabled(device) and os.environ.get(PREFETCH_ENV, PREFETCH_DEFAULT) != "0"
         size = _L2_BYTES[index] = torch.cuda.get_device_properties(index).L2_cache_size if on else 0
     return size
 

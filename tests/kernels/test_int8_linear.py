@@ -219,8 +219,9 @@ def test_gpu_split_launches_give_the_same_bits_every_time(m):
 
 @pytest.mark.gpu
 def test_gpu_products_prefetching_their_weights_give_the_same_bits(monkeypatch):
-    """With PDL on (SPECSERVE_PDL=1, Hopper) a product prefetches its weight lines before the wait; the
-    outputs are those of the same tiles without the prefetch, after a norm launched with PDL too."""
+    """With PDL on (SPECSERVE_PDL=1, Hopper) and SPECSERVE_INT8_PREFETCH=1 a product prefetches its weight
+    lines before the wait; the outputs are those of the same tiles without the prefetch, after a norm
+    launched with PDL too."""
     import specserve.kernels.int8_linear as kernel
     from specserve.kernels import pdl
     from specserve.kernels.rms_norm import rms_norm
@@ -228,7 +229,7 @@ def test_gpu_products_prefetching_their_weights_give_the_same_bits(monkeypatch):
     monkeypatch.setattr(pdl, "_BY_DEVICE", {})
     monkeypatch.setattr(kernel, "_L2_BYTES", {})
     monkeypatch.setenv(pdl.ENV, "1")
-    monkeypatch.delenv(kernel.PREFETCH_ENV, raising=False)
+    monkeypatch.setenv(kernel.PREFETCH_ENV, "1")
     if not pdl.pdl_enabled(DEVICE):
         pytest.skip("no PDL before Hopper: nothing is prefetched")
     assert kernel._l2_bytes(DEVICE) > 0
