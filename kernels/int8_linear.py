@@ -224,6 +224,9 @@ def _l2_bytes(device: torch.device) -> int:
     if size is None:
         on = pdl_enabled(device) and os.environ.get(PREFETCH_ENV, PREFETCH_DEFAULT) != "0"
         size = _L2_BYTES[index] = torch.cuda.get_device_properties(index).L2_cache_size if on else 0
+        if size:
+            logger.info("int8 linear kernel: products prefetch their first weight lines on cuda:%d (%s=1; up to %d "
+                        "MiB a launch)", index, PREFETCH_ENV, size // 4 >> 20)
     return size
 
 
