@@ -2,6 +2,7 @@
 whose dots the interpreter computes exactly as numpy does; bf16 on a GPU)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -112,7 +113,7 @@ def test_prefetched_lines_fit_a_quarter_of_the_l2_and_a_split_of_a_row():
     l2 = 50 * 2**20  # an H100's / H200's L2
     assert prefetch_lines(4096, 2048, 2, l2) == 8  # an 8B head's o, split in 2: 8 MiB of its 16 MiB
     assert prefetch_lines(32768, 4096, 1, l2) == 2  # its draft LM head: 8 MiB of 128 MiB
-    assert prefetch_lines(576, 576, 1, l2) == 4  # a small layer: all of each row (5 lines, a power of 2 below)
+    assert prefetch_lines(576, 576, 1, l2) == 4  # a small layer: 4 of its rows' 5 lines (a power of 2)
     assert prefetch_lines(64, 1 << 20, 1, l2) == MAX_PREFETCH_LINES
     assert prefetch_lines(1 << 20, 4096, 1, l2) == 0  # more rows than a line each fits: none
     for n, k_split, split in ((4096, 2048, 2), (6144, 4096, 1), (4096, 3584, 4), (1000, 512, 8)):
@@ -121,7 +122,6 @@ def test_prefetched_lines_fit_a_quarter_of_the_l2_and_a_split_of_a_row():
 
 
 _SM90_PTX = textwrap.dedent("""
-    import sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -149,7 +149,7 @@ def test_products_prefetch_their_weights_before_the_pdl_wait_in_hopper_code():
     """Compiled for sm_90 (no GPU needed: Triton's own compiler, in a process without the interpreter),
     both kernels with PREFETCH ask the L2 for weight lines before `griddepcontrol.wait`, and without it
     do not."""
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _SM90_PTX], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split() for line in run.stdout.splitlines()]
