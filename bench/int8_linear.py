@@ -13,8 +13,8 @@ Correctness: each case's int8 output against the fp32 oracle.
 
 `--norm-before`: each call is an RMSNorm of the row(s) and then the product (bf16 and int8 alike), as a
 head's qkv, gate_up and LM head follow a norm: on a GPU with programmatic dependent launch (kernels/pdl.py)
-the product's programs then start during the norm and prefetch their first weight lines
-(`SPECSERVE_INT8_PREFETCH=0` against the default is that prefetch's A/B).
+the product's programs then start during the norm and, with `SPECSERVE_INT8_PREFETCH=1`, prefetch their
+first weight lines (`SPECSERVE_INT8_PREFETCH=1` against `=0`, the default, is that prefetch's A/B).
 """
 from __future__ import annotations
 
