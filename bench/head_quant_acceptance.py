@@ -1,0 +1,118 @@
+"""What quantizing an EAGLE head's weights costs in acceptance: the shipped head on the default model
+(CPU, fp32, k forced, greedy), its weights rounded in place to a narrower format and back (the
+numbers a kernel over that format would compute with), on held-out ShareGPT prompts and HumanEval.
+
+Formats: `int8` (one scale per output row: quant/int8_rows.py, what `"quantization": "int8"` serves),
+`int4-gG` (symmetric, round to nearest, one scale per G consecutive weights of a row), `int4-row` (one
+scale per row). A suffix `:layers` or `:lm` rounds only the decoder layer's and fc's weights, or only
+the draft LM head's rows. The bytes a drafting step reads set its time where the head's weights are
+large (8B shapes, one request: BENCHMARKS.md); this says what a narrower format gives back first.
+
+    python bench/head_quant_acceptance.py --formats fp32 int8 int4-g64 int4-g64:layers --prompts 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("SPECSERVE_CPU_LINEAR", "torch")  # packed copies would keep the unrounded weights
+
+from prompts import humaneval_prompts, sharegpt_conversations  # noqa: E402
+from spec_decode import HUMANEVAL_INSTRUCTION  # noqa: E402
+
+from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.quant.int8_rows import quantize_int8_rows  # noqa: E402
+
+SHIPPED_HEAD = Path(__file__).resolve().parents[1] / "specserve/spec_decode/heads/SmolLM2-135M-Instruct"
+
+
+def rounded(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`weight` [N, K] quantized to `fmt` and widened back to its dtype."""
+    if fmt == "int8":
+        q, scale = quantize_int8_rows(weight)
+        return (q.float() * scale[:, None]).to(weight.dtype)
+    if not fmt.startswith("int4-"):
+        raise ValueError(f"unknown format {fmt!r}")
+    n, k = weight.shape
+    group = k if fmt == "int4-row" else int(fmt.removeprefix("int4-g"))
+    if k % group:
+        raise ValueError(f"{fmt}: a row of {k} weights is not a whole number of groups of {group}")
+    w = weight.float().reshape(n, k // group, group)
+    scale = (w.abs().amax(-1, keepdim=True) / 7).clamp_min(1e-12)
+    return ((w / scale).round().clamp(-8, 7) * scale).reshape(n, k).to(weight.dtype)
+
+
+@torch.no_grad()
+def round_head(head: nn.Module, spec: str) -> int:
+    """Rounds the head's weights in place as `spec` says (FORMAT[:layers|:lm]); returns how many tensors."""
+    fmt, _, part = spec.partition(":")
+    tensors = []
+    if part in ("", "layers"):  # `fuse` stays: the target's forward runs it (as with int8)
+        tensors += [m.weight for name, m in head.named_modules()
+                    if type(m) is nn.Linear and not name.startswith("fuse")]
+    if part in ("", "lm"):
+        tensors.append(head._lm_head)
+    for t in tensors:
+        t.copy_(rounded(t, fmt))
+    return len(tensors)
+
+
+def chat(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4-g64", "int4-g64:layers", "int4-g64:lm"])
+    ap.add_argument("--prompts", type=int, default=16, help="per dataset")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--skip", type=int, default=8000,
+                    help="the first ShareGPT record to read (the head trained before it)")
+    ap.add_argument("--out", default=None, help="a .json path")
+    args = ap.parse_args()
+    rows = []
+    for spec in args.formats:
+        llm = LLM(None, dtype="float32", device="cpu", speculative_config=dict(
+            method="eagle", model=str(SHIPPED_HEAD), num_speculative_tokens=args.k, adaptive=False))
+        head = llm.engine.runner.proposer.head
+        if head._lm_head is None:
+            raise SystemExit("the head's LM head rows are not a plain tensor here (packed or int8)")
+        count = 0 if spec == "fp32" else round_head(head, spec)
+        tok = llm.engine.tokenizer
+        sets = {"sharegpt": [chat(tok, h) for h, _ in sharegpt_conversations(limit=3 * args.prompts, skip=args.skip)],
+                "humaneval": [chat(tok, HUMANEVAL_INSTRUCTION + t) for t in humaneval_prompts()]}
+        for name, texts in sets.items():
+            ids = [i for i in (tok.encode(t, add_special_tokens=False) for t in texts) if len(i) <= 512][:args.prompts]
+            before = llm.engine.stats()
+            params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+            llm.generate([{"prompt_token_ids": i} for i in ids], params)
+            after = llm.engine.stats()
+            drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+            accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+            row = {"format": spec, "tensors_rounded": count, "dataset": name, "prompts": len(ids), "drafts": drafts,
+                   "mean_acceptance_length": round(1 + accepted / drafts, 3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del llm
+    base = {r["dataset"]: r["mean_acceptance_length"] for r in rows if r["format"] == args.formats[0]}
+    print("\n| format | " + " | ".join(base) + " |\n|---|" + "---|" * len(base))
+    for spec in args.formats:
+        cells = [f"{r['mean_acceptance_length']} ({r['mean_acceptance_length'] / base[r['dataset']]:.3f}x)"
+                 for r in rows if r["format"] == spec]
+        print(f"| {spec} | " + " | ".join(cells) + " |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
