@@ -859,15 +859,19 @@ def test_the_default_model_gets_its_shipped_head(default_model_dir):
 
 
 # -- the trainer's estimate is the engine's count ---------------------------------------------------
-def test_the_served_estimate_counts_what_the_engine_accepts(tiny_llama_dir, trained_head_dir):
+@pytest.mark.parametrize("head_fixture", ["trained_head_dir", "fused_head_dir"])
+def test_the_served_estimate_counts_what_the_engine_accepts(tiny_llama_dir, head_fixture, request):
     """train-draft's served estimate, replayed over a greedy run's own text, gives the engine's
-    drafts and accepted tokens at a fixed k (no prefix cache: no zero-hidden entries)."""
+    drafts and accepted tokens at a fixed k (no prefix cache: no zero-hidden entries); also for a
+    head that fuses target layers (the shipped head's kind), whose served features are the fused ones."""
     import numpy as np
 
+    from specserve.spec_decode import fuse_target_layers
     from specserve.spec_decode.train_data import Sequence
     from specserve.spec_decode.train_eval import EvalSet, acceptance
     from specserve.spec_decode.train_target import TargetFeatures
 
+    trained_head_dir = request.getfixturevalue(head_fixture)
     k, max_new = 3, 24
     prompts = spec_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
@@ -886,6 +890,7 @@ def test_the_served_estimate_counts_what_the_engine_accepts(tiny_llama_dir, trai
         seqs.append(Sequence(ids, labels))
     target = _target(tiny_llama_dir)
     head = load_head(trained_head_dir, dtype=torch.float32, device=CPU, max_positions=512)
+    fuse_target_layers(target, head.aux_layers)  # as train-draft does
     head.attach(*target_weights(target, CPU, torch.float32))
     est = acceptance(head, EvalSet(seqs, TargetFeatures(target, CPU, 512, head.draft_vocab)), k)
     assert stats["spec_decode_num_accepted_tokens"] > 0, "the head was meant to be accepted sometimes"
