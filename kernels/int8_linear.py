@@ -25,7 +25,7 @@ held): the weights' stream from memory starts while the kernel before finishes, 
 product's first loads wait a memory latency after the kernel before has ended. No kernel writes the
 weights, so their prefetch needs no wait. The lines prefetched are capped at a quarter of the L2 a
 launch (`prefetch_lines`), so they are not evicted before they are read. Off unless
-SPECSERVE_INT8_PREFETCH=1 (PREFETCH_DEFAULT) until measured on a GPU.
+SPECSERVE_INT8_PREFETCH=1 (PREFETCH_DEFAULT): on an H100 it gained nothing (BENCHMARKS.md, 2026-12-07 (last)).
 """
 from __future__ import annotations
 

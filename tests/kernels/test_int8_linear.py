@@ -222,8 +222,11 @@ def test_gpu_products_prefetching_their_weights_give_the_same_bits(monkeypatch):
     """With PDL on (SPECSERVE_PDL=1, Hopper) and SPECSERVE_INT8_PREFETCH=1 a product prefetches its weight
     lines before the wait; the outputs are those of the same tiles without the prefetch, after a norm
     launched with PDL too."""
-    import specserve.kernels.int8_linear as kernel
+    import importlib
+
     from specserve.kernels import pdl
+    # the module, not the package's `int8_linear` (the function of the same name)
+    kernel = importlib.import_module("specserve.kernels.int8_linear")
     from specserve.kernels.rms_norm import rms_norm
 
     monkeypatch.setattr(pdl, "_BY_DEVICE", {})
