@@ -25,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("SPECSERVE_CPU_LINEAR", "torch")  # packed copies would keep the unrounded weights
 
-from prompts import humaneval_prompts, sharegpt_conversations  # noqa: E402
-from spec_decode import HUMANEVAL_INSTRUCTION  # noqa: E402
+from spec_decode import load_prompts, run_level  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.quant.int8_rows import quantize_int8_rows  # noqa: E402
@@ -65,11 +64,6 @@ def round_head(head: nn.Module, spec: str) -> int:
     return len(tensors)
 
 
-def chat(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4-g64", "int4-g64:layers", "int4-g64:lm"])
@@ -80,7 +74,11 @@ def main() -> None:
                     help="the first ShareGPT record to read (the head trained before it)")
     ap.add_argument("--out", default=None, help="a .json path")
     args = ap.parse_args()
-    rows = []
+    # bench/spec_decode.py's prompt sets (its chat template, HumanEval's instruction), prompts of up to 512 tokens
+    sets_args = argparse.Namespace(concurrency=[1], min_requests=args.prompts, waves=1, load_format="auto",
+                                   datasets=["sharegpt", "humaneval"], sharegpt_skip=args.skip, max_prompt_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    rows, sets = [], None
     for spec in args.formats:
         llm = LLM(None, dtype="float32", device="cpu", speculative_config=dict(
             method="eagle", model=str(SHIPPED_HEAD), num_speculative_tokens=args.k, adaptive=False))
@@ -88,19 +86,11 @@ def main() -> None:
         if head._lm_head is None:
             raise SystemExit("the head's LM head rows are not a plain tensor here (packed or int8)")
         count = 0 if spec == "fp32" else round_head(head, spec)
-        tok = llm.engine.tokenizer
-        sets = {"sharegpt": [chat(tok, h) for h, _ in sharegpt_conversations(limit=3 * args.prompts, skip=args.skip)],
-                "humaneval": [chat(tok, HUMANEVAL_INSTRUCTION + t) for t in humaneval_prompts()]}
-        for name, texts in sets.items():
-            ids = [i for i in (tok.encode(t, add_special_tokens=False) for t in texts) if len(i) <= 512][:args.prompts]
-            before = llm.engine.stats()
-            params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-            llm.generate([{"prompt_token_ids": i} for i in ids], params)
-            after = llm.engine.stats()
-            drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-            accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-            row = {"format": spec, "tensors_rounded": count, "dataset": name, "prompts": len(ids), "drafts": drafts,
-                   "mean_acceptance_length": round(1 + accepted / drafts, 3)}
+        sets = sets or load_prompts(sets_args, llm.engine.tokenizer)
+        for name in ("sharegpt", "humaneval"):
+            run = run_level(llm, sets[name], len(sets[name]), params)  # all in flight at once
+            row = {"format": spec, "tensors_rounded": count, "dataset": name, "prompts": len(sets[name]),
+                   "drafts": run["num_drafts"], "mean_acceptance_length": run["mean_acceptance_length"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
