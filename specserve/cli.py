@@ -77,6 +77,8 @@ def _add_train_draft(sub: argparse._SubParsersAction) -> None:
         ("--seed", int, "data order and initialisation (default 0)"),
         ("--threads", int, "CPU threads (default torch's)"),
         ("--regenerate-max-tokens", int, "--regenerate: the longest answer (default 512)"),
+        ("--label-temperature", float, "the label is the target's softmax(logits / T) (default 1; 0: its argmax, "
+         "one-hot)"),
         ("--regenerate-turns", int, "--regenerate: answers per conversation, to its first prompt and then to "
          "its next user turns after the target's own answers (default 1)"),
     ]:

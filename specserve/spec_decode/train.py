@@ -52,7 +52,7 @@ SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": 
 # what a resumed run must share with the checkpoint for its data order and schedule to continue
 _RUN_OPTIONS = ("max_len", "max_conversations", "eval_conversations", "draft_vocab_size", "ttt_depth", "lr",
                 "warmup_steps", "batch_size", "epochs", "max_steps", "seed", "init", "fuse_layers", "regenerate",
-                "regenerate_max_tokens", "regenerate_turns")
+                "regenerate_max_tokens", "regenerate_turns", "label_temperature")
 
 
 @dataclass
@@ -86,6 +86,7 @@ class TrainConfig:
     regenerate: bool = False  # train on the target's own answers to the data's prompts
     regenerate_max_tokens: int = 512
     regenerate_turns: int = 1  # answers per conversation: the data's first prompt, then its next user turns
+    label_temperature: float = 1.0  # the label: softmax(target logits / T); 0: the target's argmax, one-hot
 
     def __post_init__(self) -> None:
         for name in ("ttt_depth", "batch_size", "epochs", "eval_every", "save_every", "regenerate_turns"):
@@ -98,6 +99,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.eval_conversations < 0 or (self.warmup_steps is not None and self.warmup_steps < 0):
             raise ValueError("--eval-conversations and --warmup-steps cannot be negative")
+        if not self.label_temperature >= 0 or math.isinf(self.label_temperature):
+            raise ValueError(f"--label-temperature must be a finite number >= 0, got {self.label_temperature}")
         if not self.lr > 0 or (self.max_minutes is not None and not self.max_minutes > 0):
             raise ValueError("--lr and --max-minutes must be positive")
         if self.save_dtype not in SAVE_DTYPES:
@@ -168,7 +171,8 @@ def train(cfg: TrainConfig, command: list[str] | None = None, stream: TextIO | N
             torch.cuda.set_rng_state(state["cuda_rng"], device)
         step, history, elapsed_before, batches = state["step"], state["history"], state["elapsed_s"], state["order"]
 
-    features = TargetFeatures(loaded, device, max_len, torch.tensor(draft_vocab, device=device), cfg.batch_size)
+    features = TargetFeatures(loaded, device, max_len, torch.tensor(draft_vocab, device=device), cfg.batch_size,
+                              cfg.label_temperature)
     eval_set = EvalSet(eval_seqs, features) if eval_seqs else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -466,8 +470,9 @@ def _check_resume(state: dict, identity: dict, cfg: TrainConfig, out: Path) -> N
     if theirs.get("data") != identity["data"]:
         raise ValueError(f"--resume: the checkpoint in {out} was trained on other data (or other --max-len / "
                          "--max-conversations): the data order would not continue")
-    # checkpoints from before fused heads fused none; from before --regenerate-turns, one turn
-    options = {"fuse_layers": "none", "regenerate_turns": 1, **state["options"]}
+    # checkpoints from before fused heads fused none; from before --regenerate-turns, one turn; from
+    # before --label-temperature, the target's distribution as it is
+    options = {"fuse_layers": "none", "regenerate_turns": 1, "label_temperature": 1.0, **state["options"]}
     changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (checkpoint: {v})" for k, v in options.items()
                if getattr(cfg, k) != v]
     if changed:

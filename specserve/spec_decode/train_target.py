@@ -6,6 +6,7 @@ hidden states it is given when serving.
 from __future__ import annotations
 
 import gc
+import math
 import time
 
 import numpy as np
@@ -47,12 +48,13 @@ class TargetFeatures:
     `ModelExecutor.forward` returns) and its log-probabilities / argmax at the label rows."""
 
     def __init__(self, loaded: LoadedModel, device: torch.device, max_len: int, draft_vocab: torch.Tensor,
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, label_temperature: float = 1.0) -> None:
         num_blocks = max_batch * -(-max_len // BLOCK_SIZE)  # `labelled_batch` takes up to max_batch sequences
         self.executor = ModelExecutor(loaded.model, get_attention_backend("auto", device), device, loaded.dtype,
                                       BLOCK_SIZE, num_blocks)
         self.device = device
         self.draft_vocab = draft_vocab  # [Vd] target ids, on device
+        self.label_temperature = label_temperature
         # the head learns in fp32 on the CPU (bf16 autocast on CUDA takes any input dtype)
         self.hidden_dtype = torch.float32 if device.type == "cpu" else loaded.dtype
 
@@ -79,9 +81,20 @@ class TargetFeatures:
             ids = upload(np.concatenate([s.token_ids for s in seqs]).astype(np.int64), self.device)
             hidden = self.executor.forward_tokens(ids, lens, lens, tables)
             rows = upload(np.flatnonzero(np.concatenate([s.labels for s in seqs])), self.device)
-            logp = torch.log_softmax(self.executor.compute_logits(hidden[rows]), dim=-1)[:, self.draft_vocab]
+            logp = self.label_logp(self.executor.compute_logits(hidden[rows]))
         # out of inference mode: tensors autograd may use
         return ids.clone(), hidden.to(self.hidden_dtype, copy=True), logp.clone()
+
+    def label_logp(self, logits: torch.Tensor) -> torch.Tensor:
+        """The labels' log-probabilities at the draft columns: log softmax(logits / T) over the full
+        vocabulary (T = label_temperature; the mass outside the draft vocabulary is dropped), or at T = 0
+        the target's argmax as a one-hot label (0 at it, -inf elsewhere: a row whose argmax is outside the
+        draft vocabulary teaches nothing)."""
+        if self.label_temperature == 0:
+            one_hot = torch.full_like(logits, -math.inf, dtype=torch.float32)
+            one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
+            return one_hot[:, self.draft_vocab]
+        return torch.log_softmax(logits.float() / self.label_temperature, dim=-1)[:, self.draft_vocab]
 
     def greedy(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [N], hidden [N, h], target argmax [N]: -1 except at label rows)."""

@@ -348,6 +348,31 @@ def test_one_target_forward_per_step_gives_each_sequences_own_labels(chat_target
         torch.testing.assert_close(ours, torch.cat(theirs), atol=1e-5, rtol=1e-5)
 
 
+def test_label_temperature_sharpens_the_targets_distribution(chat_target, chat_data, tmp_path):
+    """--label-temperature T: the label is softmax(logits / T) over the full vocabulary read at the
+    draft columns; 0 is the target's argmax, one-hot. A run keeps its T (a resume with another is refused)."""
+    loaded = load_model(str(chat_target), device=torch.device("cpu"), dtype="float32")
+    draft = torch.arange(0, loaded.arch.vocab_size, 2)  # half the vocabulary: mass outside is dropped
+    logits = torch.randn(6, loaded.arch.vocab_size) * 3
+    labels = {t: TargetFeatures(loaded, torch.device("cpu"), 64, draft, label_temperature=t).label_logp(logits)
+              for t in (1.0, 0.5, 0.0)}
+    torch.testing.assert_close(labels[1.0], torch.log_softmax(logits, -1)[:, draft])
+    torch.testing.assert_close(labels[0.5], torch.log_softmax(2 * logits, -1)[:, draft])
+    one_hot = labels[0.0].exp()
+    argmax = logits.argmax(-1)
+    inside = argmax % 2 == 0  # rows whose argmax is a draft column
+    assert torch.equal(one_hot.sum(-1), inside.float())
+    assert torch.equal(one_hot[inside].argmax(-1), argmax[inside] // 2)
+    devnull = io.StringIO()
+    out = tmp_path / "hard"
+    summary = train(_config(chat_target, chat_data, out, label_temperature=0.0, stop_after_steps=2), stream=devnull)
+    assert summary["options"]["label_temperature"] == 0.0 and all(np.isfinite(summary["loss_history"]))
+    with pytest.raises(ValueError, match="--label-temperature 1.0 \\(checkpoint: 0.0\\)"):
+        train(_config(chat_target, chat_data, out, resume=True), stream=devnull)
+    with pytest.raises(ValueError, match="--label-temperature must be a finite number >= 0"):
+        _config(chat_target, chat_data, tmp_path / "bad", label_temperature=-1.0)
+
+
 def test_a_packed_step_is_the_mean_over_its_sequences(chat_target):
     """The head's training pass over a step's sequences packed end to end gives each sequence what
     it gets alone (no attention across sequences, positions and hidden shift restart), and the
