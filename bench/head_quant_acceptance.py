@@ -9,6 +9,7 @@ the draft LM head's rows. The bytes a drafting step reads set its time where the
 large (8B shapes, one request: BENCHMARKS.md); this says what a narrower format gives back first.
 
     python bench/head_quant_acceptance.py --formats fp32 int8 int4-g64 int4-g64:layers --prompts 16
+    python bench/head_quant_acceptance.py --head DIR --formats fp32 --prompts 64   # another head's acceptance
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def round_head(head: nn.Module, spec: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4-g64", "int4-g64:layers", "int4-g64:lm"])
+    ap.add_argument("--head", default=str(SHIPPED_HEAD), help="the head directory (default: the shipped head)")
     ap.add_argument("--prompts", type=int, default=16, help="per dataset")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
@@ -81,7 +83,7 @@ def main() -> None:
     rows, sets = [], None
     for spec in args.formats:
         llm = LLM(None, dtype="float32", device="cpu", speculative_config=dict(
-            method="eagle", model=str(SHIPPED_HEAD), num_speculative_tokens=args.k, adaptive=False))
+            method="eagle", model=args.head, num_speculative_tokens=args.k, adaptive=False))
         head = llm.engine.runner.proposer.head
         if head._lm_head is None:
             raise SystemExit("the head's LM head rows are not a plain tensor here (packed or int8)")
