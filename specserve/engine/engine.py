@@ -315,6 +315,8 @@ class LLMEngine:
         self._touched.pop(group.request_id, None)
         for child in group.children:
             self._child_to_group.pop(child.request_id, None)
+        if not self.groups and self.runner.proposer is not None:
+            self.runner.proposer.waiting()  # the engine waits for requests: no step is timed across the wait
 
     def has_unfinished(self) -> bool:
         return bool(self.groups)

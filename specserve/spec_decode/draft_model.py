@@ -86,6 +86,9 @@ class DraftModelProposer:
         self.entries.follow_copies(sched.block_copies)
         self.policy.step_started()
 
+    def waiting(self) -> None:
+        self.policy.waiting()
+
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched, self.entries.behind)
 

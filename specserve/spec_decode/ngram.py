@@ -141,6 +141,9 @@ class NgramProposer:
             self._match_len[r] = keys[r]
         return drafts
 
+    def waiting(self) -> None:
+        self.policy.waiting()
+
     def idle(self, sched: SchedulerOutput) -> bool:
         return nothing_to_draft(self.policy, sched)
 

@@ -23,6 +23,8 @@ the runner hands it plain data:
    With async drafting the next step may be launched before this one's tokens reach the host
    (`Scheduler.schedule_ahead`): its `DeviceStep.ahead` says how far each request is behind the
    host's books on the device; its `drafted(...)` comes after the runner moved its books back.
+5. `waiting()` once the engine's last request has ended (finished or aborted): it waits for new ones,
+   and nothing may be timed across the pause.
 """
 from __future__ import annotations
 
@@ -129,6 +131,10 @@ class Proposer(Protocol):
         """After `draft_on_device`: the step's tokens are in `out`; the drafts (`pending.tokens`) may
         still be on the device. Keep the books; return how many drafts (a prefix of its row of
         `pending.tokens`) each request keeps for the next step."""
+
+    def waiting(self) -> None:
+        """The engine has no request left and waits for new ones (after the step that finished the
+        last): nothing may be timed across the wait."""
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         """[num_drafts, vocab] probabilities the request's current drafts were sampled from;

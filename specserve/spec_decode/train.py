@@ -4,8 +4,8 @@ hidden states over chat data.
 Per step: one ragged target forward over its conversations through a ModelExecutor (exactly the
 hidden states the engine hands the head when serving), the target's next-token distribution at
 every assistant row as the label (its log-softmax over the full vocabulary, of logits / T at
---label-temperature T, read at the draft vocabulary's columns: the mass outside is dropped), then the head's training-time test over
-`ttt_depth` chain depths on all the step's conversations packed end to end (one
+--label-temperature T, read at the draft vocabulary's columns: the mass outside is dropped), then
+the head's training-time test over `ttt_depth` chain depths on all the step's conversations packed end to end (one
 `EagleHead.train_forward`: the step's operator count does not grow with its batch). The loss of
 depth d is the soft cross-entropy between the two at the rows j >= d that predict an assistant
 token, averaged over the step's rows, weighted 0.8 ** d. The target is frozen; only the head

@@ -25,3 +25,26 @@ def test_speculation_defers_the_steps_where_no_draft_pays(tiny_llama_dir, noisy_
     stats = llm.engine.stats()
     assert stats["num_deferred_steps"] > 0, "the full batch should not have drafted"
     assert stats["spec_decode_num_drafts"] > 0, "the shrunken batch should have drafted"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_tells_the_proposer_when_it_waits_for_requests(tiny_llama_dir, async_scheduling):
+    """When its last request ends (finished or aborted) the engine tells the
+    proposer it waits (`waiting`): no step is timed across the pause before the next request."""
+    from specserve import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", async_scheduling=async_scheduling,
+              speculative_config=dict(method="ngram", num_speculative_tokens=3))
+    policy = llm.engine.runner.proposer.policy
+    waits = []
+    policy.waiting = lambda: waits.append(llm.engine.has_unfinished())
+    prompts = [{"prompt_token_ids": p} for p in spec_prompts()[:3]]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert waits == [False]  # once, when nothing was left
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert waits == [False, False]
+    req = llm.engine.add_request(None, {"prompt_token_ids": spec_prompts()[0]},
+                                 SamplingParams(temperature=0.0, max_tokens=50))
+    llm.engine.step()
+    llm.engine.abort(req)
+    assert waits == [False, False, False]

@@ -837,3 +837,29 @@ def test_a_spell_start_catch_up_is_the_spell_cost_not_its_steps(clock):
     throughput, p = run(True)
     assert control < 1.0
     assert throughput > 1.1 and p.step_overhead(64) < 0.2
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_pause_between_requests_is_no_steps_time(clock, waits):
+    """Once the engine runs out of requests it says so (`waiting`): the step before the pause ends
+    there. A step is otherwise timed up to the next one's start, so a drafting step before a pause took
+    the pause as its own time (on a 2-core Xeon 2,300-2,400 plain steps: its spell's loss then barred
+    drafting for the rest of the process, BENCHMARKS.md)."""
+    policy = policy_with(FLAT_TABLE)
+    honest = lambda b, d: 0.1 * policy.costs(b + d)  # noqa: E731 - drafts at 75% acceptance pay
+    assert sum(d > 0 for d in run_steps(policy, clock, 200, honest, 0.75)[100:]) > 80  # a spell goes on
+    judged = []
+    judge = policy._judge
+    policy._judge = lambda seconds, *step: judged.append((seconds, step[2])) or judge(seconds, *step)
+    if waits:
+        policy.waiting()
+    pause = 1000 * honest(16, 0)  # no requests for a while
+    clock.now += pause
+    drafted = run_steps(policy, clock, 100, honest, 0.75, seed=1)
+    seconds, num_drafts = judged[0]  # the last step before the pause
+    assert num_drafts > 0
+    if not waits:  # what it did before the engine said it waits
+        assert seconds > pause
+        return
+    assert seconds < 2 * honest(16, num_drafts)
+    assert sum(d > 0 for d in drafted[10:]) > 80  # drafting goes on after the pause
