@@ -36,6 +36,9 @@ class AdversarialProposer:
     def begin_step(self, sched) -> None:
         pass
 
+    def waiting(self) -> None:
+        pass
+
     def draft_probs(self, req_id: str):
         return None
 
