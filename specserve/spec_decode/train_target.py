@@ -90,10 +90,9 @@ class TargetFeatures:
         vocabulary (T = label_temperature; the mass outside the draft vocabulary is dropped), or at T = 0
         the target's argmax as a one-hot label (0 at it, -inf elsewhere: a row whose argmax is outside the
         draft vocabulary teaches nothing)."""
-        if self.label_temperature == 0:
-            one_hot = torch.full_like(logits, -math.inf, dtype=torch.float32)
-            one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
-            return one_hot[:, self.draft_vocab]
+        if self.label_temperature == 0:  # built at the draft columns only, not over the full vocabulary
+            hit = self.draft_vocab == logits.argmax(dim=-1, keepdim=True)
+            return torch.zeros(hit.shape, device=hit.device).masked_fill_(~hit, -math.inf)
         return torch.log_softmax(logits.float() / self.label_temperature, dim=-1)[:, self.draft_vocab]
 
     def greedy(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
